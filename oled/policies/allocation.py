@@ -33,6 +33,8 @@ def proportional_split(
     alloc = np.full(n, float(floor))
     free = np.ones(n, bool)
     for _ in range(n):
+        if not free.any():
+            break
         spare = total - alloc[~free].sum() - floor * free.sum()
         share = floor + spare * demand * free / demand[free].sum()
         over = free & (share >= caps)
