@@ -155,7 +155,9 @@ class Planner:
         self.step = 0
         self.block = 0
         self.stats = PlannerStats(num_layers)
-        self.layer_stats = LayerStats.empty(num_layers)
+        self._ws = [0.0] * num_layers  # EMA of distinct experts per forward (plain floats: cheap)
+        self._reuse = [0.0] * num_layers  # EMA of overlap with the previous forward
+        self._samples = [0] * num_layers
         self._prev_used = np.zeros((num_layers, num_experts), bool)
         self._stage_slots = np.arange(stage_capacity, dtype=np.int64)
         retention.reset(num_layers=num_layers, num_experts=num_experts)
@@ -189,7 +191,8 @@ class Planner:
         """Re-plan the allocation at a block boundary; None when nothing changes."""
         if not self.allocation.replan:
             return None
-        caps = self._allocate(self.layer_stats if self.layer_stats.ready else None)
+        stats = self.layer_stats
+        caps = self._allocate(stats if stats.ready else None)
         if caps == self.capacities:
             return None
         resizes = [
@@ -362,7 +365,20 @@ class Planner:
         return prefetch, protect, rest[copy], reuse[copy], rest[~copy]
 
     def _measure(self, layer: int, used: np.ndarray, needed: np.ndarray) -> None:
-        n = len(needed)
-        overlap = int(np.count_nonzero(self._prev_used[layer][needed])) / n if n else 0.0
-        self.layer_stats.update(layer, n, overlap, alpha=self.stats_alpha)
+        n, k, a = len(needed), self._samples[layer], self.stats_alpha
+        self._ws[layer] = n if k == 0 else self._ws[layer] + a * (n - self._ws[layer])
+        if k:  # overlap needs a previous forward
+            overlap = int(np.count_nonzero(self._prev_used[layer][needed])) / n if n else 0.0
+            r = self._reuse[layer]
+            self._reuse[layer] = overlap if k == 1 else r + a * (overlap - r)
+        self._samples[layer] = k + 1
         self._prev_used[layer] = used
+
+    @property
+    def layer_stats(self) -> LayerStats:
+        """Measured working set and reuse per layer (what the allocation policy sees)."""
+        return LayerStats(
+            working_set=np.array(self._ws),
+            reuse=np.array(self._reuse),
+            samples=np.array(self._samples, np.int64),
+        )
