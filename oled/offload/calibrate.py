@@ -65,7 +65,7 @@ def _line(xs, ys) -> tuple[float, float]:
 def measure(store: ExpertStore, device: torch.device) -> CostModel:
     """Copy time per expert, CPU expert time against tokens, grouped GEMM against experts."""
     w13, w2 = store.w13[0], store.w2[0]
-    e, h = w13.shape[0], w2.shape[1]
+    e = w13.shape[0]
     n = min(8, e)
     slot13 = torch.empty((n, *w13.shape[1:]), dtype=w13.dtype, device=device)
     slot2 = torch.empty((n, *w2.shape[1:]), dtype=w2.dtype, device=device)
