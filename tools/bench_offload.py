@@ -59,18 +59,20 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.5,0.25,0.125")
     ap.add_argument("--configs", default="all")
     ap.add_argument("--out", default="bench_offload.json")
+    ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
+    ap.add_argument("--cost", default="h200", help="cost profile for the policies")
     args = ap.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
     path = Path(args.model)
     t0 = time.perf_counter()
     if not (path / "config.json").exists():
-        init_checkpoint(path, preset="mini-shape", seed=0, device="cuda")
+        init_checkpoint(path, preset="mini-shape", seed=0, device=args.device)
         print(f"built mini-shape checkpoint in {time.perf_counter() - t0:.0f} s", flush=True)
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(path, device=dev, dtype=torch.bfloat16, pin_experts=True)
+    ckpt = load_checkpoint(path, device=dev, dtype=torch.bfloat16, pin_experts=dev.type == "cuda")
     print(f"loaded (experts pinned: {ckpt.experts.pinned}) in {time.perf_counter() - t0:.0f} s")
     prompt = torch.randint(
-        0, 150000, (args.prompt_length,), generator=torch.Generator().manual_seed(0)
+        0, ckpt.tokenizer.eos_id, (args.prompt_length,), generator=torch.Generator().manual_seed(0)
     ).tolist()
     decode = DecodeConfig(max_new_tokens=args.gen_length, threshold=0.95)
     rows = []
@@ -86,7 +88,7 @@ def main() -> None:
         )
         for name in names:
             alloc, ret, comp = CONFIGS[name]()
-            planner = make_planner(ckpt, dev, slots, 8, alloc, ret, comp, "h200")
+            planner = make_planner(ckpt, dev, slots, 8, alloc, ret, comp, args.cost)
             engine = OffloadEngine(store=ckpt.experts, device=dev, planner=planner)
             rt = Runtime(
                 checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine]
@@ -101,7 +103,7 @@ def main() -> None:
     ref.pop("tokens_out", None)
     report = {
         "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(dev),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "args": vars(args),
         "rows": [{"config": n, "budget": f, **r} for n, f, r in rows],
@@ -116,7 +118,6 @@ def run(rt: Runtime, prompt: list[int], args) -> dict:
     iteration_ms, tokens, seconds, stats = [], [], 0.0, {}
     for _ in range(args.runs):
         out = []
-        torch.cuda.synchronize()
         for block in rt.stream(prompt):
             out += block.new_tokens
         stats = rt.stats()
