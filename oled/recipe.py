@@ -92,10 +92,6 @@ class BudgetSection(Strict):
             raise ValueError(f"set exactly one of {names} (got {len(chosen)})")
         return self
 
-    @property
-    def is_resident(self) -> bool:
-        return self.resident is True or self.expert_fraction == 1.0
-
 
 class RuntimeSection(Strict):
     """Device, precision and the expert budget."""
@@ -120,7 +116,7 @@ class DecodingSection(Strict):
 
     block_length: int = Field(32, ge=1)
     threshold: float = Field(0.95, gt=0, le=1)
-    max_new_tokens: int = Field(256, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0)
     seed: int = 0
 

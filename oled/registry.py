@@ -184,9 +184,9 @@ REGISTRIES: dict[str, Registry[Any]] = {kind: Registry(kind) for kind in KINDS}
 
 _BUILTINS: dict[str, dict[str, str]] = {
     "model": {
-        "tiny": "oled.model.config:TINY",
-        "mini-shape": "oled.model.config:MINI_SHAPE",
-        "mini": "oled.model.config:MINI",
+        "tiny": "oled.model.presets:tiny_config",
+        "small": "oled.model.presets:small_config",
+        "mini-shape": "oled.model.config:mini_config",
     },
     "allocation": {
         "uniform": "oled.policies.allocation:UniformAllocation",
