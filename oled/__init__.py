@@ -1,9 +1,10 @@
-"""OLED-MoE: Mixture-of-Experts diffusion language models on GPUs too small to hold all experts."""
+"""OLED-MoE: MoE diffusion language models on GPUs too small to hold all experts."""
 
 from __future__ import annotations
 
 from typing import Any
 
+__version__ = "0.1.0"
 __all__ = ["build", "load_recipe", "registry"]
 
 

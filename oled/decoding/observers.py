@@ -18,7 +18,9 @@ class IterationInfo:
     iteration: int  # iteration within the block (0 = first forward of the block)
     step: int  # iteration counted over the whole generation
     block_start: int  # absolute position of the block's first token
-    tokens: torch.Tensor  # [L] int64: block tokens after this iteration's commits (mask id where open)
+    tokens: (
+        torch.Tensor
+    )  # [L] int64: block tokens after this iteration's commits (mask id where open)
     masked: torch.Tensor  # [L] bool: position was masked when the forward ran
     confidence: torch.Tensor  # [L] float32: confidence of masked positions; 1.0 where fixed
     committed: torch.Tensor  # [L] bool: committed by this iteration

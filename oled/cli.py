@@ -1,0 +1,169 @@
+"""The `oled` command line."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="oled",
+    help="OLED-MoE: run MoE diffusion language models (LLaDA2) on GPUs too small for all experts.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+model_app = typer.Typer(help="Create and inspect checkpoints.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+ModelOpt = Annotated[
+    str, typer.Option("--model", "-m", help="Checkpoint directory or builtin:NAME.")
+]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[str, typer.Option(help="bfloat16, float16 or float32.")]
+
+
+def user_errors(fn):
+    """Turn expected failures (bad input, missing files) into one red line and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, FileNotFoundError, OSError) as err:
+            err_console.print(f"[red]error:[/red] {err}")
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+@app.command()
+@user_errors
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The question or text to continue.")],
+    model: ModelOpt = "builtin:tiny",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "bfloat16",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 64,
+    block_length: Annotated[int, typer.Option(help="Positions per diffusion block.")] = 32,
+    threshold: Annotated[float, typer.Option(help="Commit confidence threshold.")] = 0.95,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    raw: Annotated[bool, typer.Option("--raw", help="No chat format: continue the text.")] = False,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the prefix.")] = False,
+) -> None:
+    """Generate an answer, streaming each finished block, then print decoding statistics."""
+    from oled.decoding import DecodeConfig
+    from oled.runtime import load_runtime
+
+    decode = DecodeConfig(
+        block_length=block_length,
+        threshold=threshold,
+        max_new_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        use_cache=not no_cache,
+    )
+    t0 = time.perf_counter()
+    rt = load_runtime(model, device=device, dtype=dtype, decode=decode, progress=True)
+    err_console.print(
+        f"[dim]loaded {rt.checkpoint.path} on {rt.device} in {time.perf_counter() - t0:.1f} s[/dim]"
+    )
+    ids = rt.prompt_ids(prompt, chat=not raw)
+    for block in rt.stream(ids):
+        sys.stdout.write(rt.tokenizer.decode(block.new_tokens))
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print_stats(rt.last_stats)
+
+
+def print_stats(stats) -> None:
+    import statistics
+
+    ms = stats.iteration_ms or [0.0]
+    err_console.print(
+        f"[dim]{stats.new_tokens} tokens, {stats.iterations} forwards, "
+        f"{stats.tokens_per_forward:.2f} tokens/forward, "
+        f"{statistics.median(ms):.1f} ms/iteration (median), "
+        f"{stats.tokens_per_second:.1f} tokens/s, finish: {stats.stopped}[/dim]"
+    )
+
+
+@model_app.command("init")
+@user_errors
+def model_init(
+    path: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
+    preset: Annotated[str, typer.Option(help="tiny, small or mini-shape.")] = "tiny",
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    device: Annotated[
+        str, typer.Option(help="Where to draw the weights (cuda is faster).")
+    ] = "cpu",
+    shard_size: Annotated[
+        str, typer.Option(help="Shard size, e.g. 2GiB, 4MiB; 'single' = one file.")
+    ] = "2GiB",
+) -> None:
+    """Write a random-initialised checkpoint in the exact LLaDA2 layout."""
+    from oled.model.presets import init_checkpoint
+
+    if path.exists() and any(path.iterdir()):
+        raise ValueError(f"{path}: directory is not empty")
+    shard = None if shard_size == "single" else parse_bytes(shard_size)
+    t0 = time.perf_counter()
+    init_checkpoint(path, preset=preset, seed=seed, device=device, shard_bytes=shard)
+    files = sorted(p.name for p in path.iterdir())
+    console.print(f"wrote {preset} (seed {seed}) to {path} in {time.perf_counter() - t0:.1f} s:")
+    console.print("  " + ", ".join(files))
+
+
+@model_app.command("info")
+@user_errors
+def model_info(model: Annotated[str, typer.Argument(help="Checkpoint directory or builtin:NAME.")]):
+    """Show a checkpoint's shape, expert sizes and memory needs."""
+    from oled.model.config import ModelConfig
+    from oled.runtime import resolve_model
+
+    path = resolve_model(model)
+    cfg = ModelConfig.from_json(path)
+    expert_mib = cfg.expert_params() * 2 / 2**20
+    total_experts = cfg.num_moe_layers * cfg.num_experts
+    rows = [
+        ("path", str(path)),
+        ("layers", f"{cfg.num_hidden_layers} ({cfg.first_k_dense_replace} dense, "
+                   f"{cfg.num_moe_layers} MoE)"),
+        ("hidden / heads / kv heads", f"{cfg.hidden_size} / {cfg.num_attention_heads} / "
+                                      f"{cfg.num_key_value_heads}"),
+        ("experts", f"{cfg.num_experts} per layer, top-{cfg.num_experts_per_tok}, "
+                    f"{cfg.n_group} groups (keep {cfg.topk_group}), "
+                    f"{cfg.num_shared_experts} shared"),
+        ("one expert (bf16)", f"{expert_mib:.2f} MiB"),
+        ("all routed experts (bf16)", f"{total_experts * expert_mib / 1024:.2f} GiB"),
+    ]  # fmt: skip
+    for key, value in rows:
+        console.print(f"{key:>28}: {value}")
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '512MiB', '1.5GB', '4096' -> bytes."""
+    import re
+
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in units or float(match.group(1)) <= 0:
+        raise ValueError(f"cannot read {text!r} as a positive size (e.g. 24GiB, 512MiB)")
+    return int(float(match.group(1)) * units[match.group(2)])
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Block diffusion decoding with dInfer's semantics (DESIGN.md section 4).
+
+The answer is decoded in blocks of `block_length` absolute positions. Each iteration runs the
+whole block through the model over the cached prefix, takes the softmax max probability of every
+masked position as its confidence and commits every masked position whose confidence reaches
+the threshold (at least the most confident one); nothing is remasked. A finished block's keys and
+values enter the prefix cache during the next block's first forward (which therefore runs over
+the finished block and the new one), so cached decoding computes the same function as
+recomputing the whole sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from oled.decoding.observers import BlockInfo, DecodeObserver, IterationInfo
+from oled.model.model import KVCache, LLaDA2Model
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+    """Decoding parameters."""
+
+    block_length: int = 32
+    threshold: float = 0.95
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0
+    use_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_length < 1:
+            raise ValueError("block_length must be at least 1")
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError("threshold must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+
+
+@dataclass
+class GenerationStats:
+    """What one generation cost."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    blocks: int = 0
+    iterations: int = 0
+    seconds: float = 0.0
+    iteration_ms: list[float] = field(default_factory=list)
+    stopped: str = "length"  # "stop" (EOS / role end), "length", "cancelled"
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / self.iterations if self.iterations else 0.0
+
+    @property
+    def ms_per_iteration(self) -> float:
+        return 1000 * self.seconds / self.iterations if self.iterations else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.new_tokens,
+            "blocks": self.blocks,
+            "iterations": self.iterations,
+            "seconds": self.seconds,
+            "iteration_ms": list(self.iteration_ms),
+            "tokens_per_forward": self.tokens_per_forward,
+            "ms_per_iteration": self.ms_per_iteration,
+            "tokens_per_second": self.tokens_per_second,
+            "finish_reason": self.stopped,
+        }
+
+
+class BlockDecoder:
+    """Decodes one prompt (batch size 1) block by block; `stream` yields finished blocks."""
+
+    def __init__(
+        self,
+        model: LLaDA2Model,
+        *,
+        mask_id: int,
+        stop_ids: Sequence[int] = (),
+        observers: Sequence[DecodeObserver] = (),
+    ) -> None:
+        self.model = model
+        self.mask_id = mask_id
+        self.stop_ids = set(stop_ids)
+        self.observers = list(observers)
+        self.stats = GenerationStats()
+
+    def _emit(self, hook: str, *args) -> None:
+        for obs in self.observers:
+            getattr(obs, hook)(*args)
+
+    @torch.inference_mode()
+    def stream(
+        self, prompt: Sequence[int], cfg: DecodeConfig, *, cancelled=lambda: False
+    ) -> Iterator[BlockInfo]:
+        """Yield each finished block; `self.stats` holds the running totals."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        device = self.model.lm_head.weight.device
+        bl = cfg.block_length
+        p = len(prompt)
+        first = (p // bl) * bl
+        n_blocks = -(-(p + cfg.max_new_tokens - first) // bl)  # ceil
+        total = first + n_blocks * bl
+        limit = self.model.config.max_position_embeddings
+        if total > limit:
+            raise ValueError(f"prompt + answer need {total} positions; the model allows {limit}")
+        seq = torch.full((1, total), self.mask_id, dtype=torch.long, device=device)  # [1, S]
+        seq[0, :p] = torch.tensor(list(prompt), dtype=torch.long, device=device)
+        cache = self._new_cache(total, device) if cfg.use_cache else None
+        gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature else None
+        self.stats = GenerationStats(prompt_tokens=p)
+        self._emit("on_generation_start", p)
+        try:
+            yield from self._blocks(seq, p, first, n_blocks, cfg, cache, gen, cancelled)
+        finally:
+            self._emit("on_generation_end")
+
+    def _new_cache(self, total: int, device) -> KVCache:
+        dtype = self.model.model.word_embeddings.weight.dtype
+        return KVCache(self.model.config, max_len=total, batch=1, dtype=dtype, device=device)
+
+    def _blocks(self, seq, p, first, n_blocks, cfg, cache, gen, cancelled) -> Iterator[BlockInfo]:
+        bl = cfg.block_length
+        generated: list[int] = []
+        for b in range(n_blocks):
+            start = first + b * bl
+            iterations = self._decode_block(seq, b, start, cfg, cache, gen, cancelled)
+            if iterations is None:
+                self.stats.stopped = "cancelled"
+                return
+            block = seq[0, start : start + bl]
+            new = block[max(p - start, 0) :].tolist()
+            room = cfg.max_new_tokens - len(generated)
+            new = new[:room]
+            stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
+            if stop_at is not None:
+                new = new[:stop_at]
+            generated += new
+            self.stats.new_tokens = len(generated)
+            self.stats.blocks = b + 1
+            info = BlockInfo(
+                block=b, block_start=start, tokens=block.clone(), new_tokens=new,
+                iterations=iterations,
+            )  # fmt: skip
+            self._emit("on_block_end", info)
+            yield info
+            if stop_at is not None:
+                self.stats.stopped = "stop"
+                return
+            if len(generated) >= cfg.max_new_tokens:
+                self.stats.stopped = "length"
+                return
+            if cancelled():
+                self.stats.stopped = "cancelled"
+                return
+
+    def _decode_block(self, seq, b, start, cfg, cache, gen, cancelled) -> int | None:
+        """Iterate until the block at `start` has no mask; the iterations, None if cancelled."""
+        bl = cfg.block_length
+        end = start + bl
+        it = 0
+        while True:
+            masked = seq[0, start:end] == self.mask_id  # [L]
+            if not bool(masked.any()):
+                return it
+            if cancelled():
+                return None
+            self._emit("on_iteration_start", b, it, self.stats.iterations)
+            t0 = time.perf_counter()
+            logits, ran = self._forward(seq, start, end, cache, bl)  # [L, V], tokens run
+            conf, tokens = _confidence(logits, cfg.temperature, gen)  # [L], [L]
+            commit = _commit(conf, masked, cfg.threshold)  # [L] bool
+            seq[0, start:end] = torch.where(commit, tokens, seq[0, start:end])
+            seconds = time.perf_counter() - t0
+            self.stats.iterations += 1
+            self.stats.seconds += seconds
+            self.stats.iteration_ms.append(1000 * seconds)
+            self._emit(
+                "on_iteration",
+                IterationInfo(
+                    block=b, iteration=it, step=self.stats.iterations - 1, block_start=start,
+                    tokens=seq[0, start:end].clone(), masked=masked,
+                    confidence=torch.where(masked, conf, 1.0), committed=commit,
+                    forward_tokens=ran, seconds=seconds,
+                ),
+            )  # fmt: skip
+            it += 1
+
+    def _forward(self, seq, start, end, cache, bl) -> tuple[Tensor, int]:
+        """Block logits [L, V]; with a cache, pending prefix tokens run in the same forward."""
+        if cache is None:
+            logits = self.model(seq[:, :end], start=0, block_length=bl, logits_from=start)
+            return logits[0], end
+        past = cache.length
+        logits = self.model(
+            seq[:, past:end], start=past, cache=cache, block_length=bl, logits_from=start - past
+        )
+        cache.length = start  # keep the prefix (now including any pending tokens), drop the block
+        return logits[0], end - past
+
+
+def _confidence(logits: Tensor, temperature: float, gen) -> tuple[Tensor, Tensor]:
+    """Per position: (probability of the chosen token, chosen token). logits [L, V] fp32."""
+    if temperature == 0:
+        probs = torch.softmax(logits, dim=-1)
+        conf, tokens = probs.max(dim=-1)
+        return conf, tokens
+    probs = torch.softmax(logits / temperature, dim=-1)  # [L, V]
+    tokens = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # [L]
+    return probs.gather(-1, tokens[:, None]).squeeze(-1), tokens
+
+
+def _commit(conf: Tensor, masked: Tensor, threshold: float) -> Tensor:
+    """Masked positions at or above the threshold; at least the most confident one."""
+    score = torch.where(masked, conf, -1.0)  # [L]
+    commit = masked & (score >= threshold)
+    best = torch.zeros_like(masked)
+    best[score.argmax()] = True
+    return commit | (best & masked)

@@ -1,0 +1,196 @@
+"""LLaDA2 MoE configuration: the fields of a checkpoint's `config.json`, checked on load."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = ("LLaDA2MoeModelLM", "BailingMoeV2ForCausalLM")
+
+
+class ConfigError(ValueError):
+    """A config.json that is missing, malformed or asks for something we do not support."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and routing hyper-parameters of a LLaDA2 MoE model (DESIGN.md section 4)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    first_k_dense_replace: int
+    num_experts: int
+    num_experts_per_tok: int
+    num_shared_experts: int
+    moe_intermediate_size: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    partial_rotary_factor: float = 0.5
+    score_function: str = "sigmoid"
+    moe_router_enable_expert_bias: bool = True
+    router_dtype: str = "fp32"
+    norm_topk_prob: bool = True
+    use_qk_norm: bool = True
+    use_qkv_bias: bool = False
+    use_bias: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    moe_shared_expert_intermediate_size: int | None = None
+    pad_token_id: int | None = None
+    eos_token_id: int | None = None
+    architectures: tuple[str, ...] = ("LLaDA2MoeModelLM",)
+    model_type: str = "llada2_moe"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # Derived shapes -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the decoder layers that hold routed experts."""
+        return list(range(self.first_k_dense_replace, self.num_hidden_layers))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        if self.moe_shared_expert_intermediate_size:
+            return self.moe_shared_expert_intermediate_size
+        return self.moe_intermediate_size * self.num_shared_experts
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    # Checks ---------------------------------------------------------------------------------
+    def validate(self, source: str = "config.json") -> None:
+        """Raise ConfigError for values this implementation does not support."""
+
+        def bad(key: str, why: str) -> ConfigError:
+            return ConfigError(f"{source}: {key} = {getattr(self, key)!r}: {why}")
+
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
+            if getattr(self, key) <= 0:
+                raise bad(key, "must be positive")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad("num_key_value_heads", "must divide num_attention_heads")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise bad(
+                "partial_rotary_factor", "head_dim * factor must be even and in (0, head_dim]"
+            )
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise bad("first_k_dense_replace", "must be between 0 and num_hidden_layers")
+        if self.num_experts % self.n_group:
+            raise bad("n_group", "must divide num_experts")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise bad("topk_group", "must be between 1 and n_group")
+        if self.num_experts // self.n_group < 2:
+            raise bad("n_group", "each group needs at least 2 experts (group score = top-2 sum)")
+        if not 1 <= self.num_experts_per_tok <= self.topk_group * self.num_experts // self.n_group:
+            raise bad("num_experts_per_tok", "must fit inside the kept groups")
+        if self.score_function != "sigmoid":
+            raise bad("score_function", "only sigmoid routing is supported (as in LLaDA2)")
+        if self.hidden_act != "silu":
+            raise bad("hidden_act", "only silu is supported")
+        if self.use_qkv_bias or self.use_bias:
+            raise bad("use_qkv_bias" if self.use_qkv_bias else "use_bias", "biases are unsupported")
+        if not self.use_qk_norm:
+            raise bad("use_qk_norm", "LLaDA2 always normalises q and k; false is unsupported")
+        if self.router_dtype not in ("fp32", "float32"):
+            raise bad("router_dtype", "routing is computed in fp32")
+
+    # I/O ------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        required = [
+            f.name
+            for f in fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ConfigError(f"{source}: missing required key(s): {', '.join(missing)}")
+        archs = tuple(raw.get("architectures") or ARCHITECTURES[:1])
+        if not set(archs) & set(ARCHITECTURES):
+            raise ConfigError(
+                f"{source}: architectures = {list(archs)}: expected one of {list(ARCHITECTURES)}"
+            )
+        if raw.get("rope_scaling"):
+            raise ConfigError(f"{source}: rope_scaling = {raw['rope_scaling']!r}: unsupported")
+        values = {k: v for k, v in raw.items() if k in known}
+        values["architectures"] = archs
+        for key in ("eos_token_id", "pad_token_id"):
+            if isinstance(values.get(key), list):
+                values[key] = values[key][0]
+        try:
+            return cls(**values)
+        except ConfigError as err:
+            raise ConfigError(str(err).replace("config.json", source, 1)) from None
+        except TypeError as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ConfigError(f"{path}: no config.json here: not a LLaDA2 checkpoint directory")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
+        return cls.from_dict(raw, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["architectures"] = list(self.architectures)
+        return {k: v for k, v in out.items() if v is not None}
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def mini_config() -> ModelConfig:
+    """LLaDA2.0-mini's configuration, as in its config.json."""
+    return ModelConfig(
+        vocab_size=157184,
+        hidden_size=2048,
+        intermediate_size=5120,
+        num_hidden_layers=20,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        first_k_dense_replace=1,
+        num_experts=256,
+        num_experts_per_tok=8,
+        num_shared_experts=1,
+        moe_intermediate_size=512,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        rope_theta=600000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=16384,
+        pad_token_id=156892,
+        eos_token_id=156892,
+    )

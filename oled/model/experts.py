@@ -1,0 +1,129 @@
+"""Routed experts: the host-side expert store and the grouped expert computation.
+
+Every path that computes routed experts (all-resident, GPU slot cache, CPU workers) goes through
+`expert_pairs`, so the same tokens meet the same kernels and the offloaded runtime computes the
+same function as the all-resident model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@dataclass
+class ExpertStore:
+    """All routed experts of a model, per MoE layer one stacked tensor pair.
+
+    w13[l]: [E, 2I, H] (gate rows then up rows), w2[l]: [E, H, I]; one expert is contiguous,
+    so moving it is one copy. Lives in host memory (pinned when serving a CUDA device).
+    """
+
+    w13: list[Tensor]
+    w2: list[Tensor]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.w13)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13[0].shape[0] if self.w13 else 0
+
+    @property
+    def expert_bytes(self) -> int:
+        if not self.w13:
+            return 0
+        return (self.w13[0][0].numel() + self.w2[0][0].numel()) * self.w13[0].element_size()
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.w13) and self.w13[0].is_pinned()
+
+    @classmethod
+    def empty(
+        cls, *, layers: int, experts: int, hidden: int, inter: int, dtype: torch.dtype, pin: bool
+    ) -> ExpertStore:
+        def alloc(*shape: int) -> Tensor:
+            return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+        return cls(
+            w13=[alloc(experts, 2 * inter, hidden) for _ in range(layers)],
+            w2=[alloc(experts, hidden, inter) for _ in range(layers)],
+        )
+
+    def to(self, device: torch.device | str) -> ExpertStore:
+        """A copy of every expert on `device` (the all-resident configuration)."""
+        return ExpertStore(
+            w13=[w.to(device, non_blocking=True) for w in self.w13],
+            w2=[w.to(device, non_blocking=True) for w in self.w2],
+        )
+
+
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """Grouped GEMM: rows a[offs[g-1]:offs[g]] @ b[g]. a [N, K], b [G, K, M], offs [G] int32.
+
+    Uses `torch._grouped_mm` where this torch and device support it (checked once per device
+    type and dtype), else a per-group loop (a fallback for old torch or unsupported GPUs).
+    """
+    key = (a.device.type, a.dtype)
+    if _GROUPED_MM_OK.get(key, True) and hasattr(torch, "_grouped_mm"):
+        try:
+            out = torch._grouped_mm(a, b, offs=offs)
+            _GROUPED_MM_OK[key] = True
+            return out
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_MM_OK[key] = False
+    out = a.new_zeros(a.shape[0], b.shape[-1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = a[start:end] @ b[g]
+        start = end
+    return out
+
+
+def expert_pairs(x: Tensor, slots: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """Weighted outputs of routed (token, expert) pairs computed from a weight table.
+
+    x [T, H]; slots [T, K] int64 row of each pair in the table, -1 for pairs computed elsewhere;
+    weights [T, K] fp32; w13 [S, 2I, H]; w2 [S, H, I]. Returns [T, K, H] fp32 with zeros where
+    slots < 0. No host sync and static shapes: one sort, two grouped GEMMs, one scatter.
+    """
+    t, k = slots.shape
+    s = w13.shape[0]
+    flat = slots.reshape(-1)  # [T*K]
+    flat = torch.where(flat < 0, s, flat)  # pairs done elsewhere sort last, past every group
+    order = torch.argsort(flat, stable=True)  # [T*K]
+    counts = torch.bincount(flat, minlength=s + 1)[:s]  # [S]
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # [S]
+    xs = x[order // k]  # [T*K, H] tokens grouped by slot
+    h = grouped_mm(xs, w13.transpose(-2, -1), offs)  # [T*K, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    y = grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs)  # [T*K, H]
+    valid = (flat[order] < s).unsqueeze(-1)  # [T*K, 1]
+    y = torch.where(valid, y.float() * weights.reshape(-1)[order].unsqueeze(-1), 0.0)
+    out = torch.empty(t * k, x.shape[-1], dtype=torch.float32, device=x.device)
+    out[order] = y
+    return out.view(t, k, -1)
+
+
+def combine(pairs: Tensor, dtype: torch.dtype) -> Tensor:
+    """Sum the weighted expert outputs over top-k in fp32, then cast: [T, K, H] -> [T, H]."""
+    return pairs.sum(dim=1).to(dtype)
+
+
+class ResidentExperts:
+    """Every routed expert on the compute device: the latency floor, and the reference."""
+
+    def __init__(self, store: ExpertStore, device: torch.device | str) -> None:
+        self.table = store.to(device)
+
+    def __call__(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        pairs = expert_pairs(x, ids, weights, self.table.w13[layer], self.table.w2[layer])
+        return combine(pairs, x.dtype)

@@ -1,0 +1,162 @@
+"""Building blocks of the LLaDA2 MoE transformer: norm, rotary, attention, MLP and routing."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from oled.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back, then scaled by the weight (as LLaDA2)."""
+
+    def __init__(self, dim: int, *, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary:
+    """Partial rotary embedding: rotate-half over the first `dim` dims of each head."""
+
+    def __init__(self, *, dim: int, theta: float) -> None:
+        self.dim = dim
+        steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")
+        self.inv_freq = theta ** (-steps / dim)  # [dim/2], on the host even under a meta device
+        self._cached: dict = {}
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin for absolute positions [T] -> each [T, dim]."""
+        inv = self._cached.get(positions.device)
+        if inv is None:
+            inv = self._cached[positions.device] = self.inv_freq.float().to(positions.device)
+        freqs = positions.float()[:, None] * inv[None, :]  # [T, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, heads, T, head_dim] -> rotated copy; dims past `dim` pass through."""
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        half = self.dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        rot = rot * cos + rotated * sin
+        return torch.cat((rot, rest), dim=-1)
+
+
+class Attention(nn.Module):
+    """Fused-QKV grouped-query attention with QK RMSNorm and partial rotary, via SDPA."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        qkv_rows = (self.heads + 2 * self.kv_heads) * self.head_dim
+        self.query_key_value = nn.Linear(cfg.hidden_size, qkv_rows, bias=False)
+        self.dense = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.query_layernorm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.key_layernorm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        rotary: Rotary,
+        cos: Tensor,
+        sin: Tensor,
+        kv: tuple[Tensor, Tensor] | None,
+        past: int,
+        mask: Tensor | None,
+    ) -> Tensor:
+        """x [B, T, H]; kv: this layer's cache buffers [B, kv_heads, S_max, D] or None."""
+        b, t, _ = x.shape
+        qkv = self.query_key_value(x)  # [B, T, (h + 2 kv) * D]
+        kv_width = self.kv_heads * self.head_dim
+        q, k, v = qkv.split([self.heads * self.head_dim, kv_width, kv_width], dim=-1)
+        q = self.query_layernorm(q.view(b, t, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.key_layernorm(k.view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, D]
+        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        if kv is not None:
+            kbuf, vbuf = kv
+            kbuf[:, :, past : past + t] = k
+            vbuf[:, :, past : past + t] = v
+            k, v = kbuf[:, :, : past + t], vbuf[:, :, : past + t]  # [B, kv, S, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
+        )  # [B, h, T, D]
+        return self.dense(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate x) * up x)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """LLaDA2's group-limited sigmoid router; the expert bias only selects."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.scale = cfg.routed_scaling_factor
+        self.normalise = cfg.norm_topk_prob and self.top_k > 1
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, H] -> (expert ids [T, K] int64, gate weights [T, K] fp32)."""
+        return route(
+            x,
+            self.weight,
+            self.expert_bias,
+            top_k=self.top_k,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            scale=self.scale,
+            normalise=self.normalise,
+        )
+
+
+def route(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scale: float,
+    normalise: bool,
+) -> tuple[Tensor, Tensor]:
+    """Group-limited top-k over sigmoid scores (DESIGN.md section 4). x [T, H]."""
+    t, e = x.shape[0], weight.shape[0]
+    scores = torch.sigmoid(x.float() @ weight.float().t())  # [T, E]
+    biased = scores + bias.float()  # [T, E]: selection only
+    groups = biased.view(t, n_group, e // n_group)  # [T, G, E/G]
+    group_score = groups.topk(2, dim=-1).values.sum(-1)  # [T, G]
+    keep = group_score.topk(topk_group, dim=-1).indices  # [T, topk_group]
+    group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(groups).reshape(t, e)  # [T, E]
+    ids = biased.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1).indices  # [T, K]
+    weights = scores.gather(1, ids)  # [T, K]
+    if normalise:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * scale

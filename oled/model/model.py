@@ -1,0 +1,163 @@
+"""The LLaDA2 MoE transformer in plain torch. Module names follow the checkpoint's tensor names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from oled.model.config import ModelConfig
+from oled.model.layers import MLP, Attention, RMSNorm, Rotary, Router
+
+
+class ExpertExecutor(Protocol):
+    """Computes the routed-expert part of one MoE layer: sum_k w_k * expert_k(x), cast to x."""
+
+    def __call__(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor: ...
+
+
+RoutingHook = Callable[[int, Tensor, Tensor], None]  # (moe layer, ids [T, K], weights [T, K])
+
+
+class KVCache:
+    """Preallocated per-layer key/value buffers; `length` tokens of prefix are valid."""
+
+    def __init__(
+        self, cfg: ModelConfig, *, max_len: int, batch: int, dtype: torch.dtype, device
+    ) -> None:
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.k[i], self.v[i]
+
+
+class MoE(nn.Module):
+    """Router + routed experts (computed by an executor, stored elsewhere) + shared expert."""
+
+    def __init__(self, cfg: ModelConfig, moe_index: int) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.shared_intermediate_size)
+        self.moe_index = moe_index
+        self.executor: ExpertExecutor | None = None
+        self.hooks: list[RoutingHook] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, h = x.shape
+        flat = x.reshape(b * t, h)  # [T, H]
+        ids, weights = self.gate(flat)  # [T, K], [T, K]
+        for hook in self.hooks:
+            hook(self.moe_index, ids, weights)
+        if self.executor is None:
+            raise RuntimeError("no expert executor attached: load the model through load_model()")
+        routed = self.executor(self.moe_index, flat, ids, weights)  # [T, H]
+        return (routed + self.shared_experts(flat)).view(b, t, h)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.attention = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        dense = index < cfg.first_k_dense_replace
+        self.mlp = (
+            MLP(cfg.hidden_size, cfg.intermediate_size)
+            if dense
+            else MoE(cfg, index - cfg.first_k_dense_replace)
+        )
+
+    def forward(self, x, rotary, cos, sin, kv, past, mask) -> Tensor:
+        x = x + self.attention(self.input_layernorm(x), rotary, cos, sin, kv, past, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class LLaDA2Model(nn.Module):
+    """LLaDA2 MoE diffusion LM. Routed experts are not parameters: see ExpertStore."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(dim=cfg.rotary_dim, theta=cfg.rope_theta)
+
+    @property
+    def moe_blocks(self) -> list[MoE]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+    def set_executor(self, executor: ExpertExecutor) -> None:
+        for block in self.moe_blocks:
+            block.executor = executor
+
+    def add_routing_hook(self, hook: RoutingHook) -> Callable[[], None]:
+        """Call `hook(moe_layer, ids, weights)` after each MoE layer routes; returns a remover."""
+        for block in self.moe_blocks:
+            block.hooks.append(hook)
+
+        def remove() -> None:
+            for block in self.moe_blocks:
+                if hook in block.hooks:
+                    block.hooks.remove(hook)
+
+        return remove
+
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        start: int = 0,
+        cache: KVCache | None = None,
+        block_length: int = 32,
+        logits_from: int = 0,
+    ) -> Tensor:
+        """Logits [B, T - logits_from, V] fp32 for tokens [B, T] at absolute positions start...
+
+        Attention is block-causal over blocks of `block_length` absolute positions. With a cache,
+        the cache's first `start` positions are the prefix and the new tokens' keys and values are
+        written after it (the caller decides how many of them to keep by setting cache.length).
+        """
+        b, t = tokens.shape
+        if cache is not None and cache.length != start:
+            raise ValueError(f"cache holds {cache.length} tokens but start is {start}")
+        if cache is None and start != 0:
+            raise ValueError("without a cache the tokens must start at position 0")
+        positions = torch.arange(start, start + t, device=tokens.device)  # [T]
+        mask = block_causal_mask(start, t, block_length, tokens.device)  # [T, start + T] or None
+        x = self.model.word_embeddings(tokens)  # [B, T, H]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            kv = cache.layer(i) if cache is not None else None
+            x = layer(x, self.rotary, cos, sin, kv, start, mask)
+        x = self.model.norm(x[:, logits_from:])
+        return self.lm_head(x).float()
+
+
+def block_causal_mask(start: int, t: int, block_length: int, device) -> Tensor | None:
+    """Mask [T, start + T] for queries at start..start+T-1 over keys 0..start+T-1.
+
+    Query p sees key j iff block(j) <= block(p); None when the queries share one block (they
+    then see every key), which lets SDPA take its fastest path.
+    """
+    if start // block_length == (start + t - 1) // block_length:
+        return None
+    queries = torch.arange(start, start + t, device=device)  # [T]
+    keys = torch.arange(start + t, device=device)  # [S]
+    return (keys[None, :] // block_length) <= (queries[:, None] // block_length)

@@ -1,0 +1,124 @@
+"""Checkpoints: written by `oled model init`, loaded back, and the errors users meet."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from oled.model.checkpoint import CheckpointError, load_checkpoint
+from oled.model.config import ConfigError
+from oled.model.experts import ExpertStore, ResidentExperts
+from oled.model.model import LLaDA2Model
+from oled.model.presets import random_tensors, tiny_config
+from oled.model.tokenizer import TokenizerError
+
+
+def in_memory_logits(tokens: torch.Tensor) -> torch.Tensor:
+    """The tiny model built straight from the random tensors, never touching disk."""
+    cfg = tiny_config()
+    tensors = dict(random_tensors(cfg, seed=0))
+    model = LLaDA2Model(cfg)
+    dense = {k: v.float() for k, v in tensors.items() if ".experts." not in k}
+    model.load_state_dict(dense)
+    i = cfg.moe_intermediate_size
+    store = ExpertStore.empty(
+        layers=cfg.num_moe_layers, experts=cfg.num_experts, hidden=cfg.hidden_size, inter=i,
+        dtype=torch.float32, pin=False,
+    )  # fmt: skip
+    for m, layer in enumerate(cfg.moe_layers):
+        for e in range(cfg.num_experts):
+            p = f"model.layers.{layer}.mlp.experts.{e}."
+            store.w13[m][e] = torch.cat(
+                [tensors[p + "gate_proj.weight"], tensors[p + "up_proj.weight"]]
+            )
+            store.w2[m][e] = tensors[p + "down_proj.weight"]
+    model.set_executor(ResidentExperts(store, "cpu"))
+    return model(tokens, block_length=32)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "tiny_single_dir"])
+def test_loads_back_to_the_same_logits(fixture, request):
+    path = request.getfixturevalue(fixture)
+    ckpt = load_checkpoint(path, dtype=torch.float32)
+    ckpt.model.set_executor(ResidentExperts(ckpt.experts, "cpu"))
+    tokens = torch.randint(0, 700, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        assert torch.equal(ckpt.model(tokens, block_length=32), in_memory_logits(tokens))
+
+
+def test_sharded_layout(tiny_dir):
+    index = json.loads((tiny_dir / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1
+    assert "model.layers.1.mlp.experts.31.down_proj.weight" in index["weight_map"]
+    assert "model.layers.1.mlp.gate.expert_bias" in index["weight_map"]
+
+
+def test_expert_store_layout(tiny_dir):
+    ckpt = load_checkpoint(tiny_dir)
+    cfg = ckpt.config
+    assert ckpt.experts.num_layers == cfg.num_moe_layers
+    assert ckpt.experts.w13[0].shape == (32, 2 * 64, 128)
+    assert ckpt.experts.w2[0].shape == (32, 128, 64)
+    assert ckpt.experts.w13[0][3].is_contiguous()
+    # routed experts are not model parameters: they are held once, in the store
+    assert not any(".experts." in name for name in ckpt.model.state_dict())
+
+
+def copy_of(src, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_tensor_names_file_and_tensor(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path)
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    del index["weight_map"]["model.layers.2.mlp.experts.7.up_proj.weight"]
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(
+        CheckpointError,
+        match=r"index.json: tensor 'model\.layers\.2\.mlp\.experts\.7\.up_proj\.weight' is missing",
+    ):
+        load_checkpoint(path)
+
+
+def test_misshaped_tensor(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 32
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"has shape \[.*\], expected \[.*\]"):
+        load_checkpoint(path)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_unsupported_config_value(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["score_function"] = "softmax"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"config.json: score_function = 'softmax'"):
+        load_checkpoint(path)
+
+
+def test_missing_tokenizer(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path)
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        load_checkpoint(path)
+
+
+def test_missing_shard(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path)
+    (path / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors: shard named"):
+        load_checkpoint(path)
