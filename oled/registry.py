@@ -186,7 +186,6 @@ _BUILTINS: dict[str, dict[str, str]] = {
     "model": {
         "tiny": "oled.model.presets:tiny_config",
         "small": "oled.model.presets:small_config",
-        "mini-shape": "oled.model.config:mini_config",
     },
     "allocation": {
         "uniform": "oled.policies.allocation:UniformAllocation",

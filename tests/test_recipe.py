@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,15 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "recipes").glob("*.toml"))
 
 
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def _missing_policy_modules() -> set[str]:
-    return {k for k in reg.POLICY_KINDS if not _importable(f"oled.policies.{k}")}
+    """Policy kinds whose module is not in this tree yet (their parameters cannot be checked)."""
+    return {k for k in reg.POLICY_KINDS if not (ROOT / "oled" / "policies" / f"{k}.py").exists()}
 
 
 def _error(path: Path, overrides: list[str] | None = None) -> str:

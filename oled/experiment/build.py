@@ -26,16 +26,18 @@ def build_budget(section: BudgetSection) -> Any:
 
 
 def build(recipe: Recipe) -> Any:
-    """A ready runtime for `recipe` (policies are None when every expert is resident)."""
+    """A ready runtime for `recipe`: all experts resident, or offloaded under its budget."""
     from oled.decoding import DecodeConfig
+
+    rt = recipe.runtime
+    decode = DecodeConfig(**recipe.decoding.model_dump())
+    if rt.budget.resident:
+        from oled.runtime import load_runtime
+
+        return load_runtime(recipe.model.path, device=rt.device, dtype=rt.dtype, decode=decode)
     from oled.runtime import build_runtime
 
-    resident = recipe.runtime.budget.resident is True
-    policies = {
-        kind: None if resident else build_policy(kind, getattr(recipe.policy, kind))
-        for kind in reg.POLICY_KINDS
-    }
-    rt = recipe.runtime
+    policies = {kind: build_policy(kind, getattr(recipe.policy, kind)) for kind in reg.POLICY_KINDS}
     return build_runtime(
         model=recipe.model.path,
         device=rt.device,
@@ -44,6 +46,6 @@ def build(recipe: Recipe) -> Any:
         cost=rt.cost,
         cpu_threads=rt.cpu_threads,
         stage_capacity=rt.stage_capacity,
-        decode=DecodeConfig(**recipe.decoding.model_dump()),
+        decode=decode,
         **policies,
     )

@@ -29,6 +29,11 @@ def _total(generations: Sequence[Stats], key: str) -> float:
     return float(sum(g.get(key, 0) or 0 for g in generations))
 
 
+def _reported(generations: Sequence[Stats], key: str, value: Any) -> Any:
+    """`value` if any generation reported `key` (a resident runtime reports no copies)."""
+    return value if any(key in g for g in generations) else None
+
+
 def per_layer(generations: Sequence[Stats]) -> list[dict[str, Any]]:
     """Hits, misses and hit rate of every layer, summed over generations."""
     layers: list[dict[str, Any]] = []
@@ -62,11 +67,11 @@ def summarize(generations: Sequence[Stats]) -> dict[str, Any]:
         "ms_per_iteration_p90": percentile(iteration_ms, 90),
         "tokens_per_forward": _ratio(tokens, iterations),
         "hit_rate": _ratio(hits, hits + misses),
-        "copies": int(_total(generations, "copies")),
-        "copy_gb": copy_gb,
-        "copy_gb_per_iteration": _ratio(copy_gb, iterations),
+        "copies": _reported(generations, "copies", int(_total(generations, "copies"))),
+        "copy_gb": _reported(generations, "copy_bytes", copy_gb),
+        "copy_gb_per_iteration": _reported(generations, "copy_bytes", _ratio(copy_gb, iterations)),
         "cpu_share": _ratio(cpu, cpu + gpu),
-        "stall_ms": _total(generations, "stall_ms"),
+        "stall_ms": _reported(generations, "stall_ms", _total(generations, "stall_ms")),
         "stall_ms_per_iteration": _ratio(_total(generations, "stall_ms"), iterations),
     }
 
@@ -146,7 +151,7 @@ def _latency(plt: Any, report: dict[str, Any]) -> Any:
     left.set(xlabel="iteration", ylabel="ms", title="latency per iteration")
     summary = report["summary"]
     total_ms = 1000 * summary["seconds"]
-    stall = min(summary["stall_ms"], total_ms)
+    stall = min(summary["stall_ms"] or 0.0, total_ms)
     right.bar(["compute and other", "stalled on copies"], [total_ms - stall, stall])
     right.set(ylabel="ms (all timed generations)", title="latency breakdown")
     return fig
