@@ -35,8 +35,13 @@ def build(recipe: Recipe) -> Any:
         from oled.runtime import load_runtime
 
         return load_runtime(recipe.model.path, device=rt.device, dtype=rt.dtype, decode=decode)
-    from oled.runtime import build_runtime
-
+    try:
+        from oled.runtime import build_runtime
+    except ImportError:
+        raise NotImplementedError(
+            "offloaded budgets need oled.runtime.build_runtime, which this installation lacks;"
+            " run with --set 'runtime.budget={ resident = true }'"
+        ) from None
     policies = {kind: build_policy(kind, getattr(recipe.policy, kind)) for kind in reg.POLICY_KINDS}
     return build_runtime(
         model=recipe.model.path,

@@ -114,7 +114,11 @@ def run(
     """Run a recipe: generate, summarise, write a report and plots, log to MLflow."""
     from oled.experiment.run import run_experiment
 
-    run_experiment(_load(recipe, set_))
+    loaded = _load(recipe, set_)
+    try:
+        run_experiment(loaded)
+    except (ValueError, OSError, NotImplementedError) as exc:
+        raise _fail(str(exc)) from None
 
 
 def tune(
