@@ -196,8 +196,6 @@ _BUILTINS: dict[str, dict[str, str]] = {
         "lfu": "oled.policies.retention:LFURetention",
         "score_ema": "oled.policies.retention:ScoreEMARetention",
         "confidence": "oled.policies.retention:ConfidenceRetention",
-        "interval_refresh": "oled.policies.retention:IntervalRefresh",
-        "static_hot": "oled.policies.retention:StaticHot",
     },
     "compensation": {
         "transfer_only": "oled.policies.compensation:TransferOnly",
@@ -205,6 +203,9 @@ _BUILTINS: dict[str, dict[str, str]] = {
         "batch_threshold": "oled.policies.compensation:BatchThreshold",
         "makespan": "oled.policies.compensation:MakespanCompensation",
         "cooperative": "oled.policies.compensation:CooperativeCompensation",
+        "interval_refresh": "oled.policies.compensation:IntervalRefresh",
+        "static_hot": "oled.policies.compensation:StaticHot",
+        "resident": "oled.policies.compensation:Resident",
     },
     "workload": {"short": "oled.experiment.workload:short_prompts"},
     "objective": {

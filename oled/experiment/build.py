@@ -19,30 +19,24 @@ def build_budget(section: BudgetSection) -> Any:
     """The engine's Budget from the recipe's budget section (exactly one field is set)."""
     from oled.offload.budget import Budget
 
-    fields = section.model_dump(exclude_none=True)
-    if "gpu_memory" in fields:
-        fields["gpu_memory"] = parse_size(fields["gpu_memory"])
-    return Budget(**fields)
+    ((kind, value),) = section.model_dump(exclude_none=True).items()
+    if kind == "gpu_memory":
+        value = parse_size(value)
+    return Budget(kind=kind, value=None if value is True else value)
 
 
 def build(recipe: Recipe) -> Any:
-    """A ready runtime for `recipe`: all experts resident, or offloaded under its budget."""
+    """A ready runtime for `recipe` (policies are None when every expert is resident)."""
     from oled.decoding import DecodeConfig
+    from oled.runtime import build_runtime
 
     rt = recipe.runtime
-    decode = DecodeConfig(**recipe.decoding.model_dump())
-    if rt.budget.resident:
-        from oled.runtime import load_runtime
-
-        return load_runtime(recipe.model.path, device=rt.device, dtype=rt.dtype, decode=decode)
-    try:
-        from oled.runtime import build_runtime
-    except ImportError:
-        raise NotImplementedError(
-            "offloaded budgets need oled.runtime.build_runtime, which this installation lacks;"
-            " run with --set 'runtime.budget={ resident = true }'"
-        ) from None
-    policies = {kind: build_policy(kind, getattr(recipe.policy, kind)) for kind in reg.POLICY_KINDS}
+    resident = rt.budget.resident is True
+    policies = {
+        kind: None if resident else build_policy(kind, getattr(recipe.policy, kind))
+        for kind in reg.POLICY_KINDS
+    }
+    optional = {"stage_capacity": rt.stage_capacity} if rt.stage_capacity else {}
     return build_runtime(
         model=recipe.model.path,
         device=rt.device,
@@ -50,7 +44,7 @@ def build(recipe: Recipe) -> Any:
         budget=build_budget(rt.budget),
         cost=rt.cost,
         cpu_threads=rt.cpu_threads,
-        stage_capacity=rt.stage_capacity,
-        decode=decode,
+        decode=DecodeConfig(**recipe.decoding.model_dump()),
+        **optional,
         **policies,
     )

@@ -44,11 +44,13 @@ def stats_of(result: Any) -> Stats:
 
 
 def generate(runtime: Any, prompt: Prompt, chat: bool) -> Stats:
-    """One generation; the stats dict of it."""
+    """One generation; its stats dict (`runtime.stats()` where the runtime has it)."""
     if chat:
-        return stats_of(runtime.generate(prompt.as_messages(), chat=True))
-    text = prompt.prompt if prompt.prompt is not None else prompt.as_messages()[-1]["content"]
-    return stats_of(runtime.generate(text, chat=False))
+        result = runtime.generate(prompt.as_messages(), chat=True)
+    else:
+        text = prompt.prompt if prompt.prompt is not None else prompt.as_messages()[-1]["content"]
+        result = runtime.generate(text, chat=False)
+    return dict(runtime.stats()) if hasattr(runtime, "stats") else stats_of(result)
 
 
 def run_workload(
@@ -131,7 +133,10 @@ def run_experiment(
         start = time.perf_counter()
         runtime = factory(recipe)
         tracker.set_tags({"oled.runtime_device": getattr(runtime, "device", None)})
-        generations = run_workload(runtime, recipe, prompts, console)
+        try:
+            generations = run_workload(runtime, recipe, prompts, console)
+        finally:
+            getattr(runtime, "close", lambda: None)()
         report = make_report(recipe, generations, time.perf_counter() - start)
         directory = report_dir(recipe)
         files = write_report(report, directory)
