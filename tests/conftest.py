@@ -1,12 +1,15 @@
-"""Shared fixtures: tiny checkpoints made by the project itself, never downloaded."""
+"""Shared fixtures: tiny checkpoints made by the project itself, never downloaded, and small
+real policy components that tests register under their own names."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from oled import registry as reg
 from oled.model.presets import init_checkpoint
 
 
@@ -39,3 +42,82 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class KeepRecent:
+    """Keeps the most recently used experts (test retention)."""
+
+    def __init__(self, *, threshold: float = 0.5, window: int = 4, name: str = "keep") -> None:
+        self.threshold = threshold
+        self.window = window
+        self.name = name
+
+
+class EvenSplit:
+    """Splits the budget evenly over layers (test allocation)."""
+
+    def __init__(self, *, minimum: int = 1) -> None:
+        self.minimum = minimum
+
+
+class AlwaysCopy:
+    """Copies every miss (test compensation)."""
+
+    def __init__(self, *, max_inflight: int = 8) -> None:
+        self.max_inflight = max_inflight
+
+
+TEST_COMPONENTS = {
+    "retention": {"keep_recent": KeepRecent},
+    "allocation": {"even_split": EvenSplit},
+    "compensation": {"always_copy": AlwaysCopy},
+}
+
+
+@pytest.fixture
+def components() -> Iterator[dict]:
+    """Registers the test components for one test."""
+    for kind, entries in TEST_COMPONENTS.items():
+        for name, target in entries.items():
+            reg.register(kind, name, target)
+    yield TEST_COMPONENTS
+    for kind, entries in TEST_COMPONENTS.items():
+        for name in entries:
+            reg.registry(kind).unregister(name)
+
+
+RECIPE = """\
+[model]
+path = "builtin:tiny"
+
+[runtime]
+device = "cpu"
+dtype = "float32"
+budget = { expert_fraction = 0.5 }
+
+[decoding]
+max_new_tokens = 8
+
+[policy.allocation]
+kind = "even_split"
+
+[policy.retention]
+kind = "keep_recent"
+threshold = 0.7
+
+[policy.compensation]
+kind = "always_copy"
+
+[workload]
+prompts = "builtin:short"
+warmup = 0
+repeats = 1
+"""
+
+
+@pytest.fixture
+def recipe_file(tmp_path, components):
+    """A valid recipe using the test components."""
+    path = tmp_path / "recipe.toml"
+    path.write_text(RECIPE)
+    return path

@@ -1,0 +1,1 @@
+"""Experiments: build a runtime from a recipe, run workloads, track, report and tune."""

@@ -1,0 +1,146 @@
+"""`oled run`: build the runtime, run the workload, summarise, report, plot and track."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from oled.experiment.report import (
+    SUMMARY_ROWS,
+    Stats,
+    format_value,
+    per_layer,
+    summarize,
+    write_report,
+)
+from oled.experiment.tracking import Tracker, tracked_run
+from oled.experiment.workload import Prompt, load_prompts
+from oled.recipe import Recipe
+
+RuntimeFactory = Callable[[Recipe], Any]
+
+
+@dataclass
+class RunResult:
+    """What `run_experiment` produced."""
+
+    report: dict[str, Any]
+    report_dir: Path
+    files: list[Path]
+    run_id: str | None  # MLflow run id (None when tracking is off)
+
+
+def stats_of(result: Any) -> Stats:
+    """The stats dict of one `runtime.generate` result (`.stats`: a dict or has `to_dict()`)."""
+    stats = result.stats
+    return stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
+
+
+def generate(runtime: Any, prompt: Prompt, chat: bool) -> Stats:
+    """One generation; its stats dict (`runtime.stats()` where the runtime has it)."""
+    if chat:
+        result = runtime.generate(prompt.as_messages(), chat=True)
+    else:
+        text = prompt.prompt if prompt.prompt is not None else prompt.as_messages()[-1]["content"]
+        result = runtime.generate(text, chat=False)
+    return dict(runtime.stats()) if hasattr(runtime, "stats") else stats_of(result)
+
+
+def run_workload(
+    runtime: Any, recipe: Recipe, prompts: Sequence[Prompt], console: Console | None = None
+) -> list[Stats]:
+    """Warm-up generations (untimed), then `repeats` passes over the prompts; their stats."""
+    wl = recipe.workload
+    timed: list[Stats] = []
+    total = wl.warmup + wl.repeats * len(prompts)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("warm-up", total=total)
+        for i in range(wl.warmup):
+            generate(runtime, prompts[i % len(prompts)], wl.chat)
+            bar.advance(task)
+        bar.update(task, description="generate")
+        for _ in range(wl.repeats):
+            for prompt in prompts:
+                timed.append(generate(runtime, prompt, wl.chat))
+                bar.advance(task)
+    return timed
+
+
+def make_report(recipe: Recipe, generations: list[Stats], seconds: float) -> dict[str, Any]:
+    """The JSON report: recipe, summary, per layer and per generation figures."""
+    return {
+        "recipe": recipe.data(),
+        "recipe_hash": recipe.hash(),
+        "wall_seconds": seconds,
+        "summary": summarize(generations),
+        "per_layer": per_layer(generations),
+        "generations": generations,
+    }
+
+
+def summary_table(report: dict[str, Any], title: str) -> Table:
+    """The summary as a rich table."""
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, label, fmt in SUMMARY_ROWS:
+        table.add_row(label, format_value(report["summary"].get(key), fmt))
+    layers = [layer["hit_rate"] for layer in report["per_layer"]]
+    if any(rate is not None for rate in layers):
+        table.add_row("hit rate per layer", " ".join(format_value(r, "{:.0%}") for r in layers))
+    return table
+
+
+def log_run(tracker: Tracker, recipe: Recipe, report: dict[str, Any], files: list[Path]) -> None:
+    """Params, summary metrics, per-iteration and per-layer series, artifacts."""
+    tracker.log_metrics(report["summary"])
+    iteration_ms = [ms for g in report["generations"] for ms in g.get("iteration_ms", [])]
+    hit_rates = [layer["hit_rate"] for layer in report["per_layer"]]
+    tracker.log_series({"iteration_ms": iteration_ms, "layer_hit_rate": hit_rates})
+    tracker.log_artifacts(files)
+    if recipe.path is not None:
+        tracker.log_artifacts([recipe.path], "recipe")
+
+
+def report_dir(recipe: Recipe) -> Path:
+    """`<report_dir>/<recipe name>-<date-time>-<hash>`."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(recipe.tracking.report_dir) / f"{recipe.name}-{stamp}-{recipe.hash()}"
+
+
+def run_experiment(
+    recipe: Recipe,
+    *,
+    factory: RuntimeFactory | None = None,
+    console: Console | None = None,
+) -> RunResult:
+    """Run a recipe end to end; the MLflow run ends FAILED if anything raises."""
+    console = console or Console(stderr=True)
+    if factory is None:
+        from oled.experiment.build import build as factory
+    base = recipe.path.parent if recipe.path else None
+    prompts = load_prompts(recipe.workload.prompts, base)
+    with tracked_run(recipe) as tracker:
+        tracker.log_params(recipe.flatten())
+        start = time.perf_counter()
+        runtime = factory(recipe)
+        tracker.set_tags({"oled.runtime_device": getattr(runtime, "device", None)})
+        try:
+            generations = run_workload(runtime, recipe, prompts, console)
+        finally:
+            getattr(runtime, "close", lambda: None)()
+        report = make_report(recipe, generations, time.perf_counter() - start)
+        directory = report_dir(recipe)
+        files = write_report(report, directory)
+        log_run(tracker, recipe, report, files)
+    console.print(summary_table(report, f"{recipe.name} ({recipe.hash()})"))
+    console.print(f"report: {directory}")
+    return RunResult(report, directory, files, tracker.run_id or None)

@@ -1,0 +1,149 @@
+"""MLflow tracking through `MlflowClient`: runs, nested runs, params, metrics with steps."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from oled.recipe import Recipe
+
+BATCH = 900  # MLflow accepts at most 1000 metrics and 100 params per log_batch
+
+
+def default_tracking_uri() -> str:
+    """`sqlite:///<cwd>/mlflow.db` with an absolute path."""
+    return f"sqlite:///{(Path.cwd() / 'mlflow.db').resolve()}"
+
+
+def git_commit(cwd: Path | None = None) -> str | None:
+    """The current git commit of `cwd`, if it is a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+class Tracker:
+    """One MLflow run."""
+
+    def __init__(self, client: Any, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+
+    def log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[start : start + 100])
+
+    def log_metrics(self, metrics: dict[str, float | None], step: int = 0) -> None:
+        self.log_series({k: [v] for k, v in metrics.items()}, start=step)
+
+    def log_series(self, series: dict[str, Sequence[float | None]], start: int = 0) -> None:
+        """Each value at step `start + index`; None values are skipped."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [
+            Metric(key, float(v), now, start + i)
+            for key, values in series.items()
+            for i, v in enumerate(values)
+            if v is not None
+        ]
+        for first in range(0, len(items), BATCH):
+            self.client.log_batch(self.run_id, metrics=items[first : first + BATCH])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for key, value in tags.items():
+            if value is not None:
+                self.client.set_tag(self.run_id, key, str(value))
+
+    def log_artifacts(self, paths: Sequence[Path], artifact_path: str | None = None) -> None:
+        for path in paths:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+
+class NullTracker(Tracker):
+    """Tracking switched off: every call does nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(None, "")
+
+    def log_params(self, params: dict[str, str]) -> None: ...
+
+    def log_series(self, series: dict[str, Sequence[float | None]], start: int = 0) -> None: ...
+
+    def set_tags(self, tags: dict[str, Any]) -> None: ...
+
+    def log_artifacts(self, paths: Sequence[Path], artifact_path: str | None = None) -> None: ...
+
+
+def client_for(uri: str) -> Any:
+    """An `MlflowClient` for `uri`."""
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client: Any, name: str, uri: str) -> str:
+    """Id of experiment `name`, created if needed (artifacts beside a sqlite store)."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if uri.startswith("sqlite:///"):
+        location = (Path(uri.removeprefix("sqlite:///")).parent / "mlruns").as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # created meanwhile by another process
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+@contextmanager
+def tracked_run(
+    recipe: Recipe,
+    *,
+    run_name: str | None = None,
+    parent: Tracker | None = None,
+    tags: dict[str, Any] | None = None,
+) -> Iterator[Tracker]:
+    """An MLflow run that ends FINISHED, or FAILED (KILLED on Ctrl-C) if the body raises."""
+    if not recipe.tracking.mlflow:
+        yield NullTracker()
+        return
+    uri = recipe.tracking.tracking_uri or default_tracking_uri()
+    client = client_for(uri)
+    all_tags = {
+        "oled.recipe": recipe.name,
+        "oled.recipe_hash": recipe.hash(),
+        "oled.device": recipe.runtime.device,
+        "mlflow.source.git.commit": git_commit(),
+        "mlflow.parentRunId": parent.run_id if parent else None,
+        **(tags or {}),
+    }
+    run = client.create_run(
+        experiment_id(client, recipe.tracking.experiment, uri),
+        run_name=run_name or recipe.name,
+        tags={k: str(v) for k, v in all_tags.items() if v is not None},
+    )
+    tracker = Tracker(client, run.info.run_id)
+    try:
+        yield tracker
+    except KeyboardInterrupt:
+        client.set_terminated(tracker.run_id, "KILLED")
+        raise
+    except BaseException:
+        client.set_terminated(tracker.run_id, "FAILED")
+        raise
+    client.set_terminated(tracker.run_id, "FINISHED")

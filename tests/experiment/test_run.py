@@ -1,0 +1,89 @@
+"""`oled run`: summary figures, the JSON report and plots, MLflow runs (finished and failed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from oled.experiment.report import per_layer, percentile, summarize
+from oled.experiment.run import run_experiment
+from oled.recipe import load_recipe
+from tests.conftest import RECIPE
+from tests.experiment.conftest import SyntheticRuntime, tracked_recipe_text
+
+
+def _recipe(tmp_path: Path, uri: str, experiment: str, mlflow: bool = True):
+    text = tracked_recipe_text(RECIPE, uri, tmp_path / "reports", experiment)
+    if not mlflow:
+        text = text.replace("mlflow = true", "mlflow = false")
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return load_recipe(path)
+
+
+def _runs(uri: str, experiment: str) -> list:
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id])
+
+
+def test_summarize() -> None:
+    gens = [
+        {"iterations": 2, "tokens": 4, "seconds": 0.5, "iteration_ms": [1.0, 3.0], "hits": 3,
+         "misses": 1, "cpu_experts": 1, "gpu_experts": 3, "copy_bytes": 2e9, "stall_ms": 4.0,
+         "per_layer": [{"hits": 1, "misses": 1}, {"hits": 2, "misses": 0}]},
+        {"iterations": 2, "tokens": 4, "seconds": 0.5, "iteration_ms": [2.0, 4.0], "hits": 1,
+         "misses": 3, "cpu_experts": 0, "gpu_experts": 4, "copy_bytes": 0, "stall_ms": 0.0,
+         "per_layer": [{"hits": 0, "misses": 2}, {"hits": 1, "misses": 1}]},
+    ]  # fmt: skip
+    s = summarize(gens)
+    assert s["ms_per_token"] == 125.0 and s["tokens_per_forward"] == 2.0
+    assert s["ms_per_iteration"] == 2.5 and s["ms_per_iteration_p90"] == pytest.approx(3.7)
+    assert s["hit_rate"] == 0.5 and s["cpu_share"] == 0.125 and s["copy_gb"] == 2.0
+    assert [layer["hit_rate"] for layer in per_layer(gens)] == [0.25, 0.75]
+    assert summarize([])["hit_rate"] is None and percentile([], 50) is None
+
+
+def test_run_is_logged_to_mlflow(tmp_path: Path, components, mlflow_uri: str) -> None:
+    recipe = _recipe(tmp_path, mlflow_uri, "run-ok")
+    result = run_experiment(recipe, factory=SyntheticRuntime.from_recipe)
+    (run,) = _runs(mlflow_uri, "run-ok")
+    assert run.info.run_id == result.run_id and run.info.status == "FINISHED"
+    assert run.data.params["model.path"] == "builtin:tiny"
+    assert run.data.params["policy.retention.threshold"] == "0.7"
+    assert run.data.tags["oled.recipe_hash"] == recipe.hash()
+    assert run.data.tags["oled.device"] == "cpu"
+    summary = result.report["summary"]
+    assert run.data.metrics["ms_per_iteration"] == summary["ms_per_iteration"]
+    assert 0 < summary["hit_rate"] < 1
+    history = MlflowClient(mlflow_uri).get_metric_history(run.info.run_id, "iteration_ms")
+    assert sorted(m.step for m in history) == list(range(4 * 8))  # 4 prompts x 8 iterations
+    names = {a.path for a in MlflowClient(mlflow_uri).list_artifacts(run.info.run_id)}
+    assert {"report.json", "hit_rate_per_layer.png", "latency.png", "recipe"} <= names
+    report = json.loads((result.report_dir / "report.json").read_text())
+    assert report["recipe_hash"] == recipe.hash() and len(report["per_layer"]) == 3
+
+
+class BrokenRuntime(SyntheticRuntime):
+    """Fails in the middle of the workload."""
+
+    def generate(self, prompt, *, chat: bool):
+        raise RuntimeError("expert copy failed")
+
+
+def test_failed_run_ends_failed(tmp_path: Path, components, mlflow_uri: str) -> None:
+    recipe = _recipe(tmp_path, mlflow_uri, "run-fail")
+    with pytest.raises(RuntimeError, match="expert copy failed"):
+        run_experiment(recipe, factory=lambda r: BrokenRuntime())
+    (run,) = _runs(mlflow_uri, "run-fail")
+    assert run.info.status == "FAILED"
+
+
+def test_run_without_mlflow(tmp_path: Path, components) -> None:
+    recipe = _recipe(tmp_path, "sqlite:///unused.db", "x", mlflow=False)
+    result = run_experiment(recipe, factory=SyntheticRuntime.from_recipe)
+    assert result.run_id is None and (result.report_dir / "latency.png").exists()
+    assert not Path("unused.db").exists()
