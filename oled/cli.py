@@ -114,7 +114,9 @@ def model_init(
 
     if path.exists() and any(path.iterdir()):
         raise ValueError(f"{path}: directory is not empty")
-    shard = None if shard_size == "single" else parse_bytes(shard_size)
+    from oled.recipe import parse_size
+
+    shard = None if shard_size == "single" else parse_size(shard_size)
     t0 = time.perf_counter()
     init_checkpoint(path, preset=preset, seed=seed, device=device, shard_bytes=shard)
     files = sorted(p.name for p in path.iterdir())
@@ -149,25 +151,15 @@ def model_info(model: Annotated[str, typer.Argument(help="Checkpoint directory o
         console.print(f"{key:>28}: {value}")
 
 
-def parse_bytes(text: str) -> int:
-    """'24GiB', '512MiB', '1.5GB', '4096' -> bytes."""
-    import re
+def _register_commands() -> None:
+    from oled.experiment import commands as experiment
+    from oled.trace import commands as trace
 
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*", text.lower())
-    if not match or match.group(2) not in units or float(match.group(1)) <= 0:
-        raise ValueError(f"cannot read {text!r} as a positive size (e.g. 24GiB, 512MiB)")
-    return int(float(match.group(1)) * units[match.group(2)])
+    experiment.register(app)
+    trace.register(app)
 
 
-def _register_experiment_commands() -> None:
-    from oled.experiment.commands import register
-
-    register(app)
-
-
-_register_experiment_commands()
+_register_commands()
 
 
 def main() -> None:

@@ -33,20 +33,15 @@ class TuneResult:
 
 def simulate_objective(recipe: Recipe) -> dict[str, float]:
     """Replay `[tune] trace` through the recipe's policies in the simulator."""
-    from oled.experiment.build import build_budget, build_policy
-    from oled.experiment.run import stats_of
-    from oled.trace.simulate import simulate
+    from oled.trace.commands import simulate_recipe
+    from oled.trace.format import Trace
 
     assert recipe.tune is not None
     if recipe.tune.trace is None:
         raise ValueError("objective 'simulate' needs [tune] trace = PATH (a recorded trace)")
-    result = simulate(
-        recipe.tune.trace,
-        budget=build_budget(recipe.runtime.budget),
-        cost=recipe.runtime.cost,
-        **{kind: build_policy(kind, getattr(recipe.policy, kind)) for kind in reg.POLICY_KINDS},
-    )
-    return stats_of(result)
+    result, bound = simulate_recipe(Trace.load(recipe.tune.trace), recipe)
+    out = {k: float(v) for k, v in result.to_dict().items() if isinstance(v, (int, float))}
+    return out | {"belady_bound": bound}
 
 
 def run_objective(recipe: Recipe) -> dict[str, float]:

@@ -1,0 +1,197 @@
+"""`oled trace` (record routing while decoding) and `oled simulate` (replay through policies)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from oled.decoding.observers import DecodeObserver, IterationInfo
+
+trace_app = typer.Typer(help="Record routing traces.", no_args_is_help=True)
+console = Console(highlight=False, soft_wrap=True)
+
+# What `oled simulate --baselines` replays beside the recipe: (allocation, retention, compensation)
+BASELINES = {
+    "lru": ("uniform", "lru", "transfer_only"),
+    "lfu": ("uniform", "lfu", "transfer_only"),
+    "hybrimoe": ("uniform", "score_ema", "makespan"),
+    "tide": ("uniform", "lru", "interval_refresh"),
+    "fiddler": ("uniform", "lfu", "static_hot"),
+    "llamacpp": ("uniform", "lru", "batch_threshold"),
+    "oled": ("adaptive", "confidence", "cooperative"),
+}
+
+
+class _StepRecorder(DecodeObserver):
+    """Hands every iteration's token states to the trace recorder."""
+
+    def __init__(self, recorder) -> None:
+        self.recorder = recorder
+
+    def on_generation_start(self, prompt_length: int) -> None:
+        self.recorder.new_prompt()
+
+    def on_iteration(self, info: IterationInfo) -> None:
+        from oled.offload.engine import step_context
+
+        self.recorder.record_step(step_context(info))
+
+
+def record_trace(runtime, prompts, out: Path) -> Path:
+    """Decode `prompts` with `runtime`, recording per forward and MoE layer the routing."""
+    from oled.trace.recorder import TraceRecorder
+
+    cfg = runtime.config
+    recorder = TraceRecorder(
+        num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok, expert_bytes=runtime.checkpoint.experts.expert_bytes,
+        hidden_size=cfg.hidden_size, model_path=str(runtime.checkpoint.path),
+    )  # fmt: skip
+
+    def hook(layer, ids, weights) -> None:
+        recorder.record_routing(layer, ids.cpu().numpy(), weights.float().cpu().numpy())
+
+    remove = runtime.model.add_routing_hook(hook)
+    try:
+        for prompt in prompts:
+            ids = runtime.prompt_ids(prompt.as_messages(), chat=True)
+            for _ in runtime.stream(ids, observers=[_StepRecorder(recorder)]):
+                pass
+    finally:
+        remove()
+    trace = recorder.build()
+    trace.save(out)
+    return out
+
+
+@trace_app.command("record")
+def trace_record(
+    recipe: Annotated[Path, typer.Argument(help="Recipe naming the model, decoding, workload.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Trace file to write.")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
+) -> None:
+    """Decode the recipe's workload and store its routing, confidences and decode states."""
+    from oled.cli import user_errors
+    from oled.experiment.build import build
+    from oled.experiment.workload import load_prompts
+    from oled.recipe import load_recipe
+
+    @user_errors
+    def go() -> None:
+        r = load_recipe(recipe, set_ or [])
+        prompts = load_prompts(r.workload.prompts, recipe.parent)
+        runtime = build(r.with_values({"runtime.budget": {"resident": True}}))
+        try:
+            record_trace(runtime, prompts, out)
+        finally:
+            runtime.close()
+        from oled.trace.format import Trace
+
+        t = Trace.load(out)
+        console.print(
+            f"wrote {out}: {t.num_steps} forwards x {t.meta.num_moe_layers} MoE layers, "
+            f"{len(prompts)} prompts, {out.stat().st_size / 2**20:.2f} MiB"
+        )
+
+    go()
+
+
+def simulate_recipe(trace, recipe, *, profile: str | None = None):
+    """Replay `trace` through a recipe's policies and budget: (SimResult, Belady bound)."""
+    from oled import registry as reg
+    from oled.experiment.build import build_policy
+    from oled.policies.base import CostModel
+    from oled.trace.simulate import belady_bypass, simulate
+
+    slots = trace_slots(trace, recipe.runtime.budget)
+    cost_name = profile or recipe.runtime.cost
+    if cost_name == "calibrate":
+        raise ValueError("simulation needs a named cost profile: --profile h200 or cpu-ci")
+    policies = {kind: build_policy(kind, getattr(recipe.policy, kind)) for kind in reg.POLICY_KINDS}
+    result = simulate(
+        trace, total_slots=slots, cost=CostModel.profile(cost_name),
+        stage_capacity=recipe.runtime.stage_capacity or 8, **_defaults(policies),
+    )  # fmt: skip
+    bound = belady_bypass(trace, result.capacity_history)
+    return result, bound
+
+
+def _defaults(policies: dict) -> dict:
+    from oled.policies.allocation import AdaptiveAllocation
+    from oled.policies.compensation import CooperativeCompensation
+    from oled.policies.retention import ConfidenceRetention
+
+    return {
+        "allocation": policies.get("allocation") or AdaptiveAllocation(),
+        "retention": policies.get("retention") or ConfidenceRetention(),
+        "compensation": policies.get("compensation") or CooperativeCompensation(),
+    }
+
+
+def trace_slots(trace, budget) -> int:
+    """Total expert slots of a recipe budget for the traced model's shape."""
+    layers, experts = trace.meta.num_moe_layers, trace.meta.num_experts
+    if budget.expert_fraction is not None:
+        slots = round(budget.expert_fraction * layers * experts)
+    elif budget.expert_budget is not None:
+        slots = int(budget.expert_budget)
+    else:
+        raise ValueError(
+            "simulation needs the budget as expert_fraction or expert_budget (the trace has no "
+            "device memory to fit)"
+        )
+    if slots < layers:
+        raise ValueError(f"budget of {slots} slots is below one per MoE layer ({layers})")
+    return min(slots, layers * experts)
+
+
+def simulate_cmd(
+    trace_file: Annotated[Path, typer.Argument(help="A trace from `oled trace record`.")],
+    recipe: Annotated[Path, typer.Option(help="Recipe whose budget and policies to replay.")],
+    profile: Annotated[
+        str | None, typer.Option(help="Cost profile (h200, cpu-ci); default: the recipe's.")
+    ] = None,
+    baselines: Annotated[
+        bool, typer.Option("--baselines", help="Also replay every baseline at the same budget.")
+    ] = False,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
+) -> None:
+    """Replay a trace through policies; hit rates and modelled latency beside the Belady bound."""
+    from oled.cli import user_errors
+    from oled.recipe import load_recipe
+    from oled.trace.format import Trace
+
+    @user_errors
+    def go() -> None:
+        trace = Trace.load(trace_file)
+        base = load_recipe(recipe, set_ or [])
+        runs = {"recipe": base}
+        if baselines:
+            for name, (a, r, c) in BASELINES.items():
+                runs[name] = base.with_values(
+                    {"policy.allocation": {"kind": a}, "policy.retention": {"kind": r},
+                     "policy.compensation": {"kind": c}}
+                )  # fmt: skip
+        table = Table(title=f"{trace_file.name}: {trace.num_steps} forwards")
+        for col in ("policy", "hit rate", "Belady bound", "ms/it (model)", "copies/it",
+                    "GB/it", "CPU share"):  # fmt: skip
+            table.add_column(col, justify="left" if col == "policy" else "right")
+        for name, r in runs.items():
+            res, bound = simulate_recipe(trace, r, profile=profile)
+            table.add_row(
+                name, f"{res.hit_rate:.3f}", f"{bound:.3f}", f"{res.ms_per_iteration:.2f}",
+                f"{res.copies_per_iteration:.1f}", f"{res.gb_copied_per_iteration:.3f}",
+                f"{100 * res.cpu_share:.1f}%",
+            )  # fmt: skip
+        console.print(table)
+
+    go()
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(trace_app, name="trace")
+    app.command(name="simulate")(simulate_cmd)
