@@ -161,6 +161,15 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * units[match.group(2)])
 
 
+def _register_commands() -> None:
+    from oled.commands import register
+
+    register(app)
+
+
+_register_commands()
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,93 @@
+"""The interactive and operational commands: chat, serve, bench, env.
+
+Kept out of `oled/cli.py` (which only registers them); each imports its implementation lazily
+so that `oled --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+RecipeOpt = Annotated[
+    Path | None, typer.Option("--recipe", "-r", help="TOML recipe (model, budget, policies).")
+]
+ModelOpt = Annotated[
+    str, typer.Option("--model", "-m", help="Checkpoint directory or builtin:NAME.")
+]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[str, typer.Option(help="bfloat16, float16 or float32.")]
+CacheOpt = Annotated[
+    int | None,
+    typer.Option("--cache-size", help="GPU expert slots per layer (default: all resident)."),
+]
+BlockOpt = Annotated[int, typer.Option("--block-length", help="Positions per diffusion block.")]
+ThresholdOpt = Annotated[float, typer.Option(help="Commit confidence threshold.")]
+
+
+def user_errors(fn):
+    """Expected failures (bad input, missing files or features) -> one red line, exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, FileNotFoundError, OSError) as err:
+            err_console.print(f"[red]error:[/red] {err}")
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def spec_of(model: str, device: str, dtype: str, recipe: Path | None, cache_size: int | None,
+            **decode):  # fmt: skip
+    from oled.decoding import DecodeConfig
+    from oled.launch import RuntimeSpec
+
+    return RuntimeSpec(model=model, device=device, dtype=dtype, recipe=recipe,
+                       cache_size=cache_size, decode=DecodeConfig(**decode))  # fmt: skip
+
+
+@user_errors
+def serve(
+    recipe: RecipeOpt = None,
+    model: ModelOpt = "builtin:tiny",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "bfloat16",
+    cache_size: CacheOpt = None,
+    block_length: BlockOpt = 32,
+    threshold: ThresholdOpt = 0.95,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", help="Upper bound a request may ask for.")
+    ] = 4096,
+    default_max_tokens: Annotated[
+        int, typer.Option(help="max_tokens when a request gives none.")
+    ] = 256,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model id clients use (default: the model's name).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="OLED_API_KEY", help="Require this bearer token on /v1 routes."),
+    ] = None,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
+    from oled.serve.command import run_server
+
+    spec = spec_of(model, device, dtype, recipe, cache_size, block_length=block_length,
+                   threshold=threshold, max_new_tokens=max_tokens)  # fmt: skip
+    run_server(spec, host=host, port=port, model_name=served_model_name,
+               default_max_tokens=default_max_tokens, max_tokens=max_tokens, api_key=api_key)  # fmt: skip
+
+
+def register(app: typer.Typer) -> None:
+    """Add the commands to the `oled` app."""
+    app.command()(serve)
