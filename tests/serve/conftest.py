@@ -66,13 +66,23 @@ def tiny_loader(path: Path, gate: threading.Event | None = None):
 
 
 @pytest.fixture(scope="session")
-def server_url(tiny_dir) -> Iterator[str]:
-    """One server for the module's tests: the tiny model, bearer key required."""
+def served(tiny_dir) -> Iterator[tuple[str, Engine]]:
+    """One server for the session: the tiny model, bearer key required; (URL, engine)."""
     engine = Engine(tiny_loader(tiny_dir))
     app = create_app(engine, model_name=MODEL, default_max_tokens=8, max_tokens=4000,
                      api_key=API_KEY)  # fmt: skip
     with running_server(app) as url:
-        yield url
+        yield url, engine
+
+
+@pytest.fixture()
+def server_url(served) -> str:
+    return served[0]
+
+
+@pytest.fixture()
+def engine(served) -> Engine:
+    return served[1]
 
 
 @pytest.fixture()
