@@ -88,6 +88,38 @@ def serve(
                default_max_tokens=default_max_tokens, max_tokens=max_tokens, api_key=api_key)  # fmt: skip
 
 
+@user_errors
+def chat(
+    recipe: RecipeOpt = None,
+    model: ModelOpt = "builtin:tiny",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "bfloat16",
+    cache_size: CacheOpt = None,
+    block_length: BlockOpt = 32,
+    threshold: ThresholdOpt = 0.95,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per reply.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+) -> None:
+    """Chat in the terminal: streams each finished block; /help lists the commands."""
+    import time
+
+    from oled.chat import ChatSession, run_chat, setup_readline
+    from oled.launch import build
+
+    spec = spec_of(model, device, dtype, recipe, cache_size, block_length=block_length,
+                   threshold=threshold, max_new_tokens=max_tokens, temperature=temperature,
+                   seed=seed)  # fmt: skip
+    t0 = time.perf_counter()
+    rt = build(spec)
+    err_console.print(f"[dim]loaded {rt.checkpoint.path} on {rt.device} "
+                      f"in {time.perf_counter() - t0:.1f} s[/dim]")  # fmt: skip
+    setup_readline()
+    run_chat(ChatSession(runtime=rt, decode=spec.decode, system=system))
+
+
 def register(app: typer.Typer) -> None:
     """Add the commands to the `oled` app."""
     app.command()(serve)
+    app.command()(chat)
