@@ -119,7 +119,35 @@ def chat(
     run_chat(ChatSession(runtime=rt, decode=spec.decode, system=system))
 
 
+def env(
+    require_cuda: Annotated[
+        bool, typer.Option("--require-cuda", help="Fail unless a CUDA GPU is usable.")
+    ] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print JSON instead of a table.")
+    ] = False,
+) -> None:
+    """Show Python, torch, CUDA, GPU, copy bandwidth, CPU (AMX) and package versions."""
+    import json
+
+    from oled.env import collect
+
+    report = collect(require_cuda=require_cuda)
+    out = Console(highlight=False, soft_wrap=True)
+    if json_out:
+        out.print_json(json.dumps(report.as_dict()))
+    else:
+        width = max(len(k) for k, _ in report.rows)
+        for key, value in report.rows:
+            out.print(f"{key:>{width}}: {value}")
+    for failure in report.failures:
+        err_console.print(f"[red]error:[/red] {failure}")
+    if report.failures:
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
     """Add the commands to the `oled` app."""
     app.command()(serve)
     app.command()(chat)
+    app.command()(env)
