@@ -146,8 +146,70 @@ def env(
         raise typer.Exit(1)
 
 
+@user_errors
+def bench(
+    recipes: Annotated[
+        list[Path] | None, typer.Argument(help="Recipes to compare side by side.")
+    ] = None,
+    recipe: RecipeOpt = None,
+    model: ModelOpt = "builtin:tiny",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "bfloat16",
+    cache_size: CacheOpt = None,
+    gen_length: Annotated[int, typer.Option(help="Tokens generated per run.")] = 256,
+    block_length: BlockOpt = 32,
+    threshold: ThresholdOpt = 0.95,
+    max_tokens: Annotated[
+        int | None, typer.Option("--max-tokens", help="Same as --gen-length.")
+    ] = None,
+    prompt_length: Annotated[int, typer.Option(help="Seeded random prompt tokens.")] = 512,
+    warmup_runs: Annotated[int, typer.Option(help="Untimed runs first.")] = 1,
+    runs: Annotated[int, typer.Option(help="Timed runs.")] = 3,
+    seed: Annotated[int, typer.Option(help="Prompt seed.")] = 0,
+    profile: Annotated[bool, typer.Option(help="CUDA events per stage (GPU only).")] = False,
+    report_dir: Annotated[Path | None, typer.Option(help="Write a JSON report here.")] = None,
+) -> None:
+    """Benchmark ms per iteration, tokens/s and offload figures; compare recipes side by side."""
+    import gc
+
+    from oled import bench as b
+    from oled.launch import build, check
+
+    cfg = b.BenchConfig(gen_length=max_tokens or gen_length, block_length=block_length,
+                        threshold=threshold, prompt_length=prompt_length,
+                        warmup_runs=warmup_runs, runs=runs, seed=seed, profile=profile)  # fmt: skip
+    paths = [*(recipes or []), *([recipe] if recipe else [])]
+    name = model.split(":", 1)[1] if model.startswith("builtin:") else Path(model).name
+    specs = [(p.stem, spec_of(model, device, dtype, p, None)) for p in paths] or [
+        (name if cache_size is None else f"{name} cache {cache_size}",
+         spec_of(model, device, dtype, None, cache_size))
+    ]  # fmt: skip
+    for _, spec in specs:
+        check(spec)
+    rows, used = [], "cpu"
+    for label, spec in specs:
+        rt = build(spec)
+        used = str(rt.device)
+        if profile and rt.device.type != "cuda":
+            err_console.print(f"[yellow]--profile: CUDA events are unavailable on {rt.device}; "
+                              "no per-stage breakdown[/yellow]")  # fmt: skip
+        err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed runs, "
+                          f"prompt {cfg.prompt_length}, {cfg.gen_length} tokens[/dim]")  # fmt: skip
+        rows.append(b.bench_runtime(rt, cfg, label))
+        del rt
+        gc.collect()
+    rows = b.with_ratios(rows)
+    out = Console(highlight=False, soft_wrap=True)
+    out.print(b.table(rows))
+    if any("stages_ms_per_iteration" in r for r in rows):
+        out.print(b.stage_table(rows))
+    if report_dir is not None:
+        err_console.print(f"[dim]report: {b.write_report(report_dir, cfg, rows, used)}[/dim]")
+
+
 def register(app: typer.Typer) -> None:
     """Add the commands to the `oled` app."""
     app.command()(serve)
     app.command()(chat)
     app.command()(env)
+    app.command()(bench)

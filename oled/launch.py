@@ -43,6 +43,17 @@ def _optional(module: str, attr: str, what: str) -> Any:
     return found
 
 
+def check(spec: RuntimeSpec) -> None:
+    """Fail now (not after loading starts) when the spec needs a feature this build lacks."""
+    if spec.recipe is not None:
+        _optional("oled.recipe", "load_recipe", "--recipe")
+        _optional("oled.build", "build", "--recipe")
+        if not Path(spec.recipe).is_file():
+            raise FileNotFoundError(f"{spec.recipe}: no such recipe file")
+    if spec.cache_size is not None:
+        _optional("oled.runtime", "build_runtime", "--cache-size")
+
+
 def build(spec: RuntimeSpec) -> Runtime:
     """A runtime: from a recipe, with an offload cache, or all experts resident."""
     if spec.recipe is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from oled.launch import RuntimeSpec, build
+from oled.launch import RuntimeSpec, build, check
 
 
 def served_name(spec: RuntimeSpec) -> str:
@@ -21,6 +21,7 @@ def run_server(spec: RuntimeSpec, *, host: str, port: int, model_name: str | Non
                default_max_tokens: int, max_tokens: int,
                api_key: str | None) -> None:  # fmt: skip
     """Listen at once; the model loads in the background (`/health` is 503 until it is ready)."""
+    check(spec)
     import uvicorn
 
     from oled.serve.app import create_app
