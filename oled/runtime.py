@@ -15,6 +15,10 @@ from oled.decoding import BlockDecoder, BlockInfo, DecodeConfig, DecodeObserver,
 from oled.model.checkpoint import Checkpoint, load_checkpoint
 from oled.model.experts import ResidentExperts
 from oled.model.presets import PRESETS, init_checkpoint
+from oled.offload.budget import Budget
+from oled.offload.engine import OffloadEngine
+from oled.offload.planner import Planner
+from oled.policies.base import AllocationPolicy, CompensationPolicy, CostModel, RetentionPolicy
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -25,6 +29,11 @@ DTYPES = {
     "fp32": torch.float32,
 }
 BUILTIN = "builtin:"
+RESIDENT_SUMMARY = {
+    "resident": True, "hit_rate": 1.0, "hits": 0.0, "misses": 0.0, "copies": 0.0,
+    "copy_bytes": 0.0, "cpu_experts": 0.0, "gpu_experts": 0.0, "cpu_share": 0.0,
+    "stall_ms": 0.0, "per_layer": [],
+}  # fmt: skip
 
 
 def cache_home() -> Path:
@@ -143,6 +152,19 @@ class Runtime:
         finally:
             self.last_stats = decoder.stats
 
+    def stats(self) -> dict:
+        """The last generation's decoding statistics and, when offloading, the engine's."""
+        out = self.last_stats.to_dict()
+        metrics = getattr(self.executor, "metrics", None)
+        out |= metrics.summary() if metrics is not None else RESIDENT_SUMMARY
+        return out
+
+    def close(self) -> None:
+        """Stop worker threads (an offloading runtime has a CPU expert worker)."""
+        closer = getattr(self.executor, "close", None)
+        if closer is not None:
+            closer()
+
     def generate(
         self,
         prompt: str | Sequence[dict[str, str]],
@@ -157,6 +179,83 @@ class Runtime:
         for block in self.stream(self.prompt_ids(prompt, chat=chat), decode=cfg):
             ids += block.new_tokens
         return Generation(text=self.tokenizer.decode(ids), token_ids=ids, stats=self.last_stats)
+
+
+def build_runtime(
+    *,
+    model: str = "builtin:tiny",
+    device: str = "auto",
+    dtype: str = "bfloat16",
+    budget: Budget | None = None,
+    allocation: AllocationPolicy | None = None,
+    retention: RetentionPolicy | None = None,
+    compensation: CompensationPolicy | None = None,
+    cost: CostModel | str = "calibrate",
+    cpu_threads: int | None = None,
+    stage_capacity: int = 8,
+    kv_tokens: int = 4096,
+    decode: DecodeConfig | None = None,
+    progress: bool = False,
+) -> Runtime:
+    """Load a model under a GPU budget with the given policies (missing ones get OLED's).
+
+    The budget is checked against the config before any weight is read, so a budget that is too
+    small fails at once with the minimum it needs.
+    """
+    from oled.model.config import ModelConfig
+    from oled.offload.budget import total_slots
+
+    if cpu_threads:
+        torch.set_num_threads(cpu_threads)
+    dev, torch_dtype = pick_device(device), pick_dtype(dtype)
+    path = resolve_model(model)
+    cfg = ModelConfig.from_json(path)
+    budget = budget or Budget()
+    slots = total_slots(
+        budget, cfg, dtype=torch_dtype, device=dev, kv_tokens=kv_tokens,
+        stage_capacity=stage_capacity,
+    )  # fmt: skip
+    ckpt = load_checkpoint(
+        path, device=dev, dtype=torch_dtype, pin_experts=dev.type == "cuda", progress=progress
+    )
+    decode = decode or DecodeConfig()
+    if slots is None:
+        executor = ResidentExperts(ckpt.experts, dev)
+        return Runtime(checkpoint=ckpt, device=dev, executor=executor, decode=decode)
+    planner = make_planner(
+        ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost
+    )
+    engine = OffloadEngine(store=ckpt.experts, device=dev, planner=planner)
+    return Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine])
+
+
+def make_planner(
+    ckpt: Checkpoint, dev, slots, stage_capacity, allocation, retention, compensation, cost
+) -> Planner:
+    """A planner with the given policies; OLED's own where one is not given."""
+    from oled.policies.allocation import AdaptiveAllocation
+    from oled.policies.compensation import CooperativeCompensation
+    from oled.policies.retention import ConfidenceRetention
+
+    if isinstance(cost, str):
+        if cost == "calibrate":
+            from oled.offload.calibrate import calibrated_cost
+
+            cost = calibrated_cost(ckpt.experts, dev, cache_home() / "cost")
+        else:
+            cost = CostModel.profile(cost)
+    cfg = ckpt.config
+    return Planner(
+        num_layers=cfg.num_moe_layers,
+        num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok,
+        total_slots=slots,
+        stage_capacity=stage_capacity,
+        allocation=allocation or AdaptiveAllocation(),
+        retention=retention or ConfidenceRetention(),
+        compensation=compensation or CooperativeCompensation(),
+        cost=cost,
+    )
 
 
 def load_runtime(

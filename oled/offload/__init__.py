@@ -1,0 +1,1 @@
+"""Expert offloading: budget, slot caches, copies, CPU experts, and the planner that drives them."""

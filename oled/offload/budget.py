@@ -1,0 +1,134 @@
+"""The GPU budget: how many expert slots the device holds, decided before any weight is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from oled.model.config import ModelConfig
+
+BudgetKind = Literal["resident", "expert_fraction", "expert_budget", "gpu_memory", "auto"]
+ACTIVATION_RESERVE = 512 << 20  # logits of a block, routing buffers, allocator slack
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One of: every expert resident; a fraction of all experts; a number of expert slots (all
+    MoE layers together); a whole-device memory budget in bytes; or `auto` (the free memory)."""
+
+    kind: BudgetKind = "resident"
+    value: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "expert_fraction" and not (self.value and 0 < self.value <= 1):
+            raise ValueError(f"expert_fraction must be in (0, 1], got {self.value}")
+        if self.kind in ("expert_budget", "gpu_memory") and not (self.value and self.value > 0):
+            raise ValueError(f"{self.kind} must be positive, got {self.value}")
+
+
+def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of every weight except the routed experts (router weights kept in fp32)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    attn += cfg.num_attention_heads * cfg.head_dim * h + 2 * cfg.head_dim + 2 * h
+    dense = 3 * h * cfg.intermediate_size
+    shared = 3 * h * cfg.shared_intermediate_size
+    size = torch.finfo(dtype).bits // 8
+    total = (2 * v * h + h) * size + cfg.num_hidden_layers * attn * size
+    total += cfg.first_k_dense_replace * dense * size
+    total += cfg.num_moe_layers * (shared * size + (h + 1) * cfg.num_experts * 4)
+    return total
+
+
+def kv_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
+    size = torch.finfo(dtype).bits // 8
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * tokens * size
+
+
+def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return cfg.expert_params() * (torch.finfo(dtype).bits // 8)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def total_slots(
+    budget: Budget,
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_tokens: int = 4096,
+    stage_capacity: int = 0,
+) -> int | None:
+    """Expert slots for all MoE layers together; None when every expert stays resident.
+
+    Raises ValueError, stating the minimum, when the budget cannot hold one slot per MoE layer.
+    """
+    layers, experts = cfg.num_moe_layers, cfg.num_experts
+    if budget.kind == "resident":
+        return None
+    if budget.kind == "expert_fraction":
+        slots = round(budget.value * layers * experts)
+    elif budget.kind == "expert_budget":
+        slots = int(budget.value)
+    else:
+        memory = budget.value if budget.kind == "gpu_memory" else free_memory(device)
+        slots = _slots_in_memory(int(memory), cfg, dtype, kv_tokens, stage_capacity)
+    if slots >= layers * experts:
+        return None
+    if slots < layers:
+        raise ValueError(_too_small(budget, cfg, dtype, kv_tokens, stage_capacity, slots))
+    return slots
+
+
+def free_memory(device: torch.device) -> int:
+    """Free device memory in bytes (CUDA), or host memory for a CPU device."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * 0.5)
+
+
+def _fixed_bytes(cfg, dtype, kv_tokens, stage_capacity) -> int:
+    return (
+        non_expert_bytes(cfg, dtype)
+        + kv_bytes(cfg, dtype, kv_tokens)
+        + ACTIVATION_RESERVE
+        + stage_capacity * expert_bytes(cfg, dtype)
+    )
+
+
+def _slots_in_memory(memory: int, cfg, dtype, kv_tokens, stage_capacity) -> int:
+    return max(0, (memory - _fixed_bytes(cfg, dtype, kv_tokens, stage_capacity))) // expert_bytes(
+        cfg, dtype
+    )
+
+
+def minimum_bytes(cfg: ModelConfig, dtype, kv_tokens: int, stage_capacity: int) -> int:
+    """The smallest device budget that runs: fixed parts plus one expert slot per MoE layer."""
+    return _fixed_bytes(cfg, dtype, kv_tokens, stage_capacity) + cfg.num_moe_layers * expert_bytes(
+        cfg, dtype
+    )
+
+
+def _too_small(budget, cfg, dtype, kv_tokens, stage_capacity, slots) -> str:
+    need = minimum_bytes(cfg, dtype, kv_tokens, stage_capacity)
+    what = {
+        "expert_fraction": f"expert_fraction {budget.value} gives {slots} slots",
+        "expert_budget": f"expert_budget {int(budget.value)} slots",
+        "gpu_memory": f"gpu_memory {gib(budget.value)} holds {slots} expert slots",
+        "auto": f"the free device memory holds {slots} expert slots",
+    }[budget.kind]
+    return (
+        f"budget too small: {what}, but the model needs at least {cfg.num_moe_layers} "
+        f"(one per MoE layer). Minimum device memory: {gib(need)} = non-expert weights "
+        f"{gib(non_expert_bytes(cfg, dtype))} + KV cache for {kv_tokens} tokens "
+        f"{gib(kv_bytes(cfg, dtype, kv_tokens))} + activations {gib(ACTIVATION_RESERVE)} + "
+        f"{cfg.num_moe_layers + stage_capacity} experts of {gib(expert_bytes(cfg, dtype))}"
+    )

@@ -1,0 +1,111 @@
+"""A start-up micro-benchmark that fits the cost model to this machine, cached per machine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oled.model.experts import ExpertStore, expert_pairs
+from oled.policies.base import CostModel
+
+
+def machine_key(store: ExpertStore, device: torch.device) -> str:
+    parts = [
+        platform.processor() or platform.machine(),
+        str(torch.get_num_threads()),
+        torch.__version__,
+        str(tuple(store.w13[0].shape[1:])),
+        str(store.w13[0].dtype),
+        str(store.pinned),
+        torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    ]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def calibrated_cost(store: ExpertStore, device: torch.device, cache_dir: Path) -> CostModel:
+    """The cached cost model for this machine and expert shape, measured on first use."""
+    file = cache_dir / f"cost-{machine_key(store, device)}.json"
+    if file.exists():
+        try:
+            return CostModel.from_json(file.read_text())
+        except (ValueError, TypeError, json.JSONDecodeError):
+            pass  # stale format: measure again
+    cost = measure(store, device)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(cost.to_json())
+    return cost
+
+
+def _timed(fn, device: torch.device, repeat: int = 5) -> float:
+    """Median milliseconds of fn() (synchronised)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(1000 * (time.perf_counter() - t0))
+    return float(np.median(times))
+
+
+def _line(xs, ys) -> tuple[float, float]:
+    slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    return max(float(intercept), 0.0), max(float(slope), 1e-6)
+
+
+def measure(store: ExpertStore, device: torch.device) -> CostModel:
+    """Copy time per expert, CPU expert time against tokens, grouped GEMM against experts."""
+    w13, w2 = store.w13[0], store.w2[0]
+    e = w13.shape[0]
+    n = min(8, e)
+    slot13 = torch.empty((n, *w13.shape[1:]), dtype=w13.dtype, device=device)
+    slot2 = torch.empty((n, *w2.shape[1:]), dtype=w2.dtype, device=device)
+
+    def copy(count: int):
+        def run():
+            torch._foreach_copy_(
+                [slot13[i] for i in range(count)] + [slot2[i] for i in range(count)],
+                [w13[i] for i in range(count)] + [w2[i] for i in range(count)],
+                non_blocking=True,
+            )
+
+        return run
+
+    one, many = _timed(copy(1), device), _timed(copy(n), device)
+    copy_per = max((many - one) / max(1, n - 1), 1e-4)
+    cpu_tokens = [1, 8, 32]
+    cpu_ms = [_expert_time(w13, w2, t, 1, torch.device("cpu")) for t in cpu_tokens]
+    cpu_fixed, cpu_per_token = _line(cpu_tokens, cpu_ms)
+    table13, table2 = w13.to(device), w2.to(device)
+    gpu_experts = [1, min(8, e), e]
+    top_k = min(8, e)
+    gpu_ms = [_expert_time(table13, table2, 32, top_k, device, experts=k) for k in gpu_experts]
+    gpu_fixed, gpu_per = _line(gpu_experts, gpu_ms)
+    return CostModel(
+        copy_ms_per_expert=copy_per,
+        copy_fixed_ms=max(one - copy_per, 0.0),
+        cpu_fixed_ms=cpu_fixed,
+        cpu_ms_per_token=cpu_per_token,
+        gpu_fixed_ms=gpu_fixed,
+        gpu_ms_per_expert=gpu_per,
+        expert_bytes=store.expert_bytes,
+    )
+
+
+def _expert_time(w13, w2, tokens: int, k: int, device, experts: int = 1) -> float:
+    """Milliseconds of expert_pairs with `tokens` tokens spread over `experts` experts, top-k."""
+    h = w2.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, h, generator=gen).to(device=device, dtype=w13.dtype)
+    ids = torch.randint(0, experts, (tokens, k), generator=gen).to(device)
+    weights = torch.rand(tokens, k, generator=gen).to(device)
+    return _timed(lambda: expert_pairs(x, ids, weights, w13, w2), device)

@@ -1,0 +1,286 @@
+"""The offload engine: per-layer expert slot caches on the device, copies on their own stream,
+CPU experts on a worker thread, all computing exactly the function of the all-resident model.
+
+Per MoE layer call (the host decision path): routing ids and weights go to the host in one
+transfer (the layer's one device-to-host sync), the planner decides hits, copies, staged copies
+and CPU experts, copies are launched on the copy stream, CPU experts are submitted to the worker,
+hits are computed at once by a grouped GEMM over the slot table, the copied experts after their
+copy event, and the CPU results are added into the same [T, K, H] pair buffer before the top-k
+sum, so the summation order never depends on where a pair was computed.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from oled.decoding.observers import BlockInfo, DecodeObserver, IterationInfo
+from oled.model.experts import ExpertStore, combine, expert_pairs
+from oled.offload.metrics import EngineMetrics
+from oled.offload.planner import LayerPlan, Planner, Resize
+from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, Load, StepContext
+
+HIT, COPIED, STAGED = 0, 1, 2  # rows of the per-layer expert -> slot maps
+
+
+class OffloadEngine(DecodeObserver):
+    """An expert executor over fixed per-layer slot tables, driven by a Planner."""
+
+    def __init__(self, *, store: ExpertStore, device: torch.device, planner: Planner) -> None:
+        self.store, self.device, self.planner = store, device, planner
+        self.cuda = device.type == "cuda"
+        self.num_experts = store.num_experts
+        dtype = store.w13[0].dtype
+        self._slot_shape = (store.w13[0].shape[1:], store.w2[0].shape[1:])
+        self.w13 = [self._table(c, 0, dtype) for c in planner.capacities]
+        self.w2 = [self._table(c, 1, dtype) for c in planner.capacities]
+        stage = max(1, planner.stage_capacity)
+        self.stage_w13, self.stage_w2 = self._table(stage, 0, dtype), self._table(stage, 1, dtype)
+        layers = store.num_layers
+        self._maps_host = torch.full((layers, 3, self.num_experts), -1, dtype=torch.long)
+        if self.cuda:
+            self._maps_host = self._maps_host.pin_memory()
+        self._maps_dev = torch.full((layers, 3, self.num_experts), -1, device=device)
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._stage_free: torch.cuda.Event | None = None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu-experts")
+        self.metrics = EngineMetrics(layers)
+        self._routing: list[tuple[np.ndarray, np.ndarray] | None] = [None] * layers
+        self._events: list[tuple[int, torch.cuda.Event, ...]] = []
+        self._copy_busy = self._cpu_busy = 0.0
+        self._prefill()
+
+    def _table(self, rows: int, which: int, dtype) -> Tensor:
+        return torch.empty((rows, *self._slot_shape[which]), dtype=dtype, device=self.device)
+
+    def _prefill(self) -> None:
+        """Copy whatever the planner placed at construction (static placements, warm caches)."""
+        for layer, cache in enumerate(self.planner.caches):
+            experts = cache.cached()
+            if len(experts):
+                slots = cache.slot_of[experts].astype(np.int64)
+                self._launch_copies(layer, experts, slots, self.w13[layer], self.w2[layer])
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    # -- the hot path ---------------------------------------------------------------------------
+
+    def __call__(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """x [T, H], ids [T, K], weights [T, K] fp32 -> routed expert sum [T, H] in x.dtype."""
+        t0 = time.perf_counter()
+        k = ids.shape[1]
+        packed = torch.cat([ids.to(torch.float32), weights], dim=1).cpu()  # [T, 2K]: the sync
+        ids_np = packed[:, :k].numpy().astype(np.int64)  # [T, K]
+        w_np = packed[:, k:].numpy()  # [T, K]
+        self._routing[layer] = (ids_np, w_np)
+        plan = self.planner.plan(layer, ids_np, w_np, self._load())
+        cpu_job = self._start_cpu(layer, x, ids_np, packed[:, k:], plan)
+        ready = self._copy(layer, plan)
+        maps = self._upload_maps(layer, plan)  # [3, E] on the device
+        pairs = self._gpu_pairs(layer, x, ids, weights, maps, plan, ready)  # [T, K, H] fp32
+        self._account(layer, plan, time.perf_counter() - t0)
+        if cpu_job is not None:
+            cpu_pairs, cpu_ms = cpu_job.result()
+            self.metrics.add(layer, cpu_ms=cpu_ms)
+            pairs = pairs + cpu_pairs.to(self.device, non_blocking=True)
+        return combine(pairs, x.dtype)
+
+    def _load(self) -> Load:
+        now = 1000 * time.perf_counter()
+        return Load(
+            copy_queue_ms=max(0.0, self._copy_busy - now),
+            cpu_queue_ms=max(0.0, self._cpu_busy - now),
+        )
+
+    def _upload_maps(self, layer: int, plan: LayerPlan) -> Tensor:
+        """expert -> slot for hits, for experts copied now, and for staged experts."""
+        maps = self._maps_host[layer].numpy()  # [3, E] view of pinned memory
+        maps.fill(-1)
+        maps[HIT] = plan.slot_of
+        if len(plan.copy_experts):
+            maps[COPIED, plan.copy_experts] = plan.copy_slots
+            maps[HIT, plan.copy_experts] = -1
+        if len(plan.stage_experts):
+            maps[STAGED, plan.stage_experts] = plan.stage_slots
+        dev = self._maps_dev[layer]
+        dev.copy_(self._maps_host[layer], non_blocking=True)
+        return dev
+
+    def _gpu_pairs(self, layer, x, ids, weights, maps, plan, ready) -> Tensor:
+        pairs = expert_pairs(x, maps[HIT][ids], weights, self.w13[layer], self.w2[layer])
+        if ready is None:
+            return pairs
+        stream = torch.cuda.current_stream(self.device) if self.cuda else None
+        start = _event(stream)
+        if stream is not None:
+            stream.wait_event(ready)
+        stall_end = _event(stream)
+        if len(plan.copy_experts):
+            pairs = pairs + expert_pairs(
+                x, maps[COPIED][ids], weights, self.w13[layer], self.w2[layer]
+            )
+        if len(plan.stage_experts):
+            pairs = pairs + expert_pairs(
+                x, maps[STAGED][ids], weights, self.stage_w13, self.stage_w2
+            )
+            self._stage_free = _event(stream)
+        if start is not None:
+            self._events.append((layer, start, stall_end))
+        return pairs
+
+    def _copy(self, layer: int, plan: LayerPlan) -> torch.cuda.Event | None:
+        """Launch this plan's copies on the copy stream; the event they complete, if any."""
+        n_copy, n_stage = len(plan.copy_experts), len(plan.stage_experts)
+        if not n_copy and not n_stage:
+            return None
+        stream = self.copy_stream
+        begin = _event(stream)
+        if n_copy:
+            self._launch_copies(
+                layer, plan.copy_experts, plan.copy_slots, self.w13[layer], self.w2[layer]
+            )
+        if n_stage:
+            if stream is not None and self._stage_free is not None:
+                stream.wait_event(self._stage_free)  # the previous layer's staged experts are done
+            self._launch_copies(
+                layer, plan.stage_experts, plan.stage_slots, self.stage_w13, self.stage_w2
+            )
+        done = _event(stream)
+        if begin is not None:
+            self._events.append((layer, begin, done, "copy"))
+        cost = self.planner.cost
+        now = 1000 * time.perf_counter()
+        self._copy_busy = max(now, self._copy_busy) + float(cost.copy_ms(n_copy + n_stage))
+        return done if done is not None else _CPU_DONE
+
+    def _launch_copies(self, layer, experts, slots, w13: Tensor, w2: Tensor) -> None:
+        """One copy per tensor of each expert, host (pinned) -> slot, on the copy stream."""
+        src13, src2 = self.store.w13[layer], self.store.w2[layer]
+        dst = [w13[s] for s in slots.tolist()] + [w2[s] for s in slots.tolist()]
+        src = [src13[e] for e in experts.tolist()] + [src2[e] for e in experts.tolist()]
+        if self.copy_stream is None:
+            torch._foreach_copy_(dst, src)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            torch._foreach_copy_(dst, src, non_blocking=True)
+
+    def _start_cpu(self, layer, x, ids_np, weights_host, plan) -> Future | None:
+        """Submit this layer's CPU experts to the worker; their tokens' activations go to host."""
+        if not len(plan.cpu_experts):
+            return None
+        on_cpu = np.zeros(self.num_experts, bool)
+        on_cpu[plan.cpu_experts] = True
+        slots = torch.from_numpy(np.where(on_cpu[ids_np], ids_np, -1))  # [T, K]
+        x_host = x.to("cpu")
+        cost = self.planner.cost
+        now = 1000 * time.perf_counter()
+        work = float(np.sum(cost.cpu_ms(plan.cpu_tokens)))
+        self._cpu_busy = max(now, self._cpu_busy) + work
+        return self.pool.submit(self._cpu_pairs, layer, x_host, slots, weights_host)
+
+    def _cpu_pairs(self, layer: int, x: Tensor, slots: Tensor, weights: Tensor):
+        """On the worker thread: ([T, K, H] fp32 pairs of the CPU experts, milliseconds)."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = expert_pairs(x, slots, weights, self.store.w13[layer], self.store.w2[layer])
+        return out, 1000 * (time.perf_counter() - t0)
+
+    def _account(self, layer: int, plan: LayerPlan, seconds: float) -> None:
+        n_copy = len(plan.copy_experts) + len(plan.stage_experts)
+        self.metrics.add(
+            layer,
+            hits=len(plan.hits),
+            misses=len(plan.misses),
+            copies=n_copy,
+            copy_bytes=n_copy * self.store.expert_bytes,
+            staged=len(plan.stage_experts),
+            cpu_experts=len(plan.cpu_experts),
+            cpu_tokens=int(plan.cpu_tokens.sum()),
+            gpu_experts=len(plan.gpu_experts) + len(plan.stage_experts),
+            host_ms=1000 * seconds,
+        )
+        self.metrics.layer_calls += 1
+
+    # -- observer hooks -------------------------------------------------------------------------
+
+    def on_generation_start(self, prompt_length: int) -> None:
+        self.metrics.reset()
+
+    def on_iteration_start(self, block: int, iteration: int, step: int) -> None:
+        self.planner.begin_step(step=step, block=block)
+
+    def on_iteration(self, info: IterationInfo) -> None:
+        """Hand the forward's routing and token states to the policies; collect timings."""
+        ctx = step_context(info)
+        for layer, routing in enumerate(self._routing):
+            if routing is not None:
+                self.planner.observe(layer, routing[0], routing[1], ctx)
+        self._routing = [None] * len(self._routing)
+        self._collect_events()
+        self.metrics.end_iteration()
+
+    def on_block_end(self, info: BlockInfo) -> None:
+        for resize in self.planner.end_block() or []:
+            self._resize(resize)
+
+    def _resize(self, r: Resize) -> None:
+        """Give a layer a slot table of the new capacity, moving the kept experts over."""
+        for tables, which in ((self.w13, 0), (self.w2, 1)):
+            old = tables[r.layer]
+            new = self._table(r.capacity, which, old.dtype)
+            if len(r.keep):
+                keep = torch.from_numpy(r.keep.astype(np.int64)).to(self.device)
+                new[keep[:, 1]] = old[keep[:, 0]]
+            tables[r.layer] = new
+
+    def _collect_events(self) -> None:
+        if not self._events:
+            return
+        torch.cuda.current_stream(self.device).synchronize()
+        self.copy_stream.synchronize()
+        for layer, start, end, *kind in self._events:
+            ms = start.elapsed_time(end)
+            self.metrics.add(layer, **({"copy_ms": ms} if kind else {"stall_ms": ms}))
+        self._events.clear()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class _Done:
+    """Stands for a finished copy where there is no stream (CPU device: copies are synchronous)."""
+
+
+_CPU_DONE = _Done()
+
+
+def _event(stream) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def step_context(info: IterationInfo) -> StepContext:
+    """Token states and confidences of every routed row of a forward (pending prefix rows first)."""
+    block_len = info.masked.shape[0]
+    prefix = info.forward_tokens - block_len
+    state = np.full(info.forward_tokens, TOKEN_FIXED, np.int8)
+    conf = np.ones(info.forward_tokens, np.float32)
+    masked = info.masked.cpu().numpy()
+    committed = info.committed.cpu().numpy()
+    state[prefix:][masked & ~committed] = TOKEN_MASKED
+    state[prefix:][committed] = TOKEN_COMMITTED
+    conf[prefix:] = info.confidence.float().cpu().numpy()
+    return StepContext(
+        block=info.block,
+        iteration=info.iteration,
+        step=info.step,
+        token_state=state,
+        confidence=conf,
+    )

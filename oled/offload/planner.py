@@ -1,0 +1,384 @@
+"""Host decision path shared by the offload engine and the simulator.
+
+Per MoE layer and forward, `Planner.plan` splits the routed experts into hits and misses, asks the
+compensation policy copy-or-CPU for each miss, picks eviction victims with the retention policy,
+and updates the layer's slot maps. Layers are MoE-layer indices in [0, num_layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from oled.policies.base import (
+    AllocationPolicy,
+    CompensationPolicy,
+    CostModel,
+    LayerStats,
+    Load,
+    RetentionPolicy,
+    StepContext,
+)
+
+_EMPTY = np.zeros(0, np.int64)
+_EMPTY_F = np.zeros(0, np.float64)
+_NO_LOAD = Load()
+
+
+class ExpertCache:
+    """Slot maps of one MoE layer's GPU expert cache."""
+
+    def __init__(self, *, capacity: int, num_experts: int) -> None:
+        self.capacity = capacity
+        self.num_experts = num_experts
+        self.slot_of = np.full(num_experts, -1, np.int32)  # [E] expert -> slot, -1 = not cached
+        self.expert_in = np.full(capacity, -1, np.int32)  # [C] slot -> expert, -1 = free
+
+    def cached(self) -> np.ndarray:
+        """Ids of the cached experts (slot order)."""
+        return self.expert_in[self.expert_in >= 0].astype(np.int64)
+
+    def free_slots(self) -> np.ndarray:
+        """Indices of free slots."""
+        return (self.expert_in < 0).nonzero()[0]
+
+    def place(self, experts: np.ndarray, slots: np.ndarray) -> None:
+        """Put experts in slots, dropping whatever those slots held."""
+        old = self.expert_in[slots]
+        self.slot_of[old[old >= 0]] = -1
+        self.expert_in[slots] = experts
+        self.slot_of[experts] = slots
+
+    def check(self) -> None:
+        """Assert that the two maps agree (for tests)."""
+        cached = self.expert_in >= 0
+        assert (self.slot_of[self.expert_in[cached]] == np.flatnonzero(cached)).all()
+        inv = np.flatnonzero(self.slot_of >= 0)
+        assert len(inv) == cached.sum()
+        assert (self.expert_in[self.slot_of[inv]] == inv).all()
+
+
+@dataclass
+class LayerPlan:
+    """Decisions for one MoE layer in one forward."""
+
+    layer: int
+    slot_of: np.ndarray  # [E] int32: expert -> slot after this plan's copies (-1 = not cached)
+    gpu_experts: np.ndarray  # computed from cache slots: hits + needed copied experts
+    copy_experts: np.ndarray  # copies to issue now (may include refresh prefetches)
+    copy_slots: np.ndarray  # their destination slots (the victims' slots are overwritten)
+    stage_experts: np.ndarray  # copied into the scratch area, not cached
+    stage_slots: np.ndarray  # their scratch slots in [0, stage_capacity)
+    cpu_experts: np.ndarray  # computed on the CPU
+    cpu_tokens: np.ndarray  # tokens routed to each CPU expert
+    hits: np.ndarray
+    misses: np.ndarray
+    evicted: np.ndarray  # experts dropped from the cache by this plan's copies
+
+
+@dataclass
+class Resize:
+    """A layer's cache changes capacity; `keep` holds (old_slot, new_slot) of kept experts."""
+
+    layer: int
+    capacity: int
+    keep: np.ndarray  # [N, 2] int32
+
+
+_COUNTERS = (
+    "plans", "requests", "hits", "misses", "copies", "prefetches",
+    "staged", "cpu_experts", "cpu_tokens", "evictions",
+)  # fmt: skip
+
+
+class PlannerStats:
+    """Per-layer counters; each name in `counters()` reads as an [L] int64 array.
+
+    plans, requests (distinct experts needed), hits, misses, copies (into cache slots, incl.
+    prefetches), prefetches (copies of experts that forward did not need), staged, cpu_experts,
+    cpu_tokens, evictions.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.rows = [[0] * len(_COUNTERS) for _ in range(num_layers)]  # plain ints: cheap updates
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        if name in _COUNTERS:
+            i = _COUNTERS.index(name)
+            return np.array([r[i] for r in self.rows], np.int64)
+        raise AttributeError(name)
+
+    @staticmethod
+    def counters() -> tuple[str, ...]:
+        """Names of the counters."""
+        return _COUNTERS
+
+    def hit_rate(self) -> float:
+        """Hits over requests, all layers."""
+        return float(self.hits.sum() / max(1, self.requests.sum()))
+
+    def to_dict(self) -> dict[str, list[int]]:
+        """JSON-friendly counters."""
+        return {n: getattr(self, n).tolist() for n in _COUNTERS}
+
+
+class Planner:
+    """Per-layer hit/miss planning over fixed-slot expert caches."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        total_slots: int,
+        stage_capacity: int,
+        allocation: AllocationPolicy,
+        retention: RetentionPolicy,
+        compensation: CompensationPolicy,
+        cost: CostModel,
+        stats_alpha: float = 0.2,
+    ) -> None:
+        if total_slots < num_layers:
+            raise ValueError(
+                f"expert budget of {total_slots} slots is below the minimum of {num_layers} "
+                f"(one slot per MoE layer)"
+            )
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        self.total_slots = min(total_slots, num_layers * num_experts)
+        self.stage_capacity = stage_capacity
+        self.allocation, self.retention, self.compensation = allocation, retention, compensation
+        self.cost = cost
+        self.stats_alpha = stats_alpha
+        self.step = 0
+        self.block = 0
+        self.stats = PlannerStats(num_layers)
+        self._ws = [0.0] * num_layers  # EMA of distinct experts per forward (plain floats: cheap)
+        self._reuse = [0.0] * num_layers  # EMA of overlap with the previous forward
+        self._samples = [0] * num_layers
+        self._prev_used = np.zeros((num_layers, num_experts), bool)
+        self._stage_slots = np.arange(stage_capacity, dtype=np.int64)
+        retention.reset(num_layers=num_layers, num_experts=num_experts)
+        compensation.reset(num_layers=num_layers, num_experts=num_experts)
+        self.capacities = self._allocate(None)
+        self.caches = [ExpertCache(capacity=c, num_experts=num_experts) for c in self.capacities]
+        for layer, cap in enumerate(self.capacities):
+            warm = compensation.prefill(layer=layer, capacity=cap)
+            if warm is not None:
+                self.prefill(layer, warm)
+
+    # -- allocation -------------------------------------------------------------------------
+
+    def _allocate(self, stats: LayerStats | None) -> list[int]:
+        caps = [
+            int(c)
+            for c in self.allocation.allocate(
+                total_slots=self.total_slots,
+                num_layers=self.num_layers,
+                num_experts=self.num_experts,
+                stats=stats,
+            )
+        ]
+        if len(caps) != self.num_layers or sum(caps) > self.total_slots:
+            raise ValueError(f"allocation {caps} does not fit {self.total_slots} slots")
+        if min(caps) < 1 or max(caps) > self.num_experts:
+            raise ValueError(f"allocation {caps} has a layer outside [1, {self.num_experts}]")
+        return caps
+
+    def end_block(self) -> list[Resize] | None:
+        """Re-plan the allocation at a block boundary; None when nothing changes."""
+        if not self.allocation.replan:
+            return None
+        stats = self.layer_stats
+        caps = self._allocate(stats if stats.ready else None)
+        if caps == self.capacities:
+            return None
+        resizes = [
+            self._resize(layer, cap)
+            for layer, cap in enumerate(caps)
+            if cap != self.capacities[layer]
+        ]
+        self.capacities = caps
+        return resizes
+
+    def _resize(self, layer: int, capacity: int) -> Resize:
+        old = self.caches[layer]
+        cached = old.cached()
+        if len(cached) > capacity:
+            drop = self.retention.victims(layer, cached, len(cached) - capacity)
+            keep_mask = np.ones(self.num_experts, bool)
+            keep_mask[drop] = False
+            cached = cached[keep_mask[cached]]
+            self.stats.rows[layer][9] += len(drop)
+        old_slots = old.slot_of[cached].astype(np.int64)
+        stay = old_slots < capacity
+        new_slots = old_slots.copy()
+        free = np.setdiff1d(np.arange(capacity), old_slots[stay])
+        new_slots[~stay] = free[: int((~stay).sum())]
+        new = ExpertCache(capacity=capacity, num_experts=self.num_experts)
+        new.place(cached, new_slots)
+        self.caches[layer] = new
+        keep = np.stack([old_slots, new_slots], axis=1).astype(np.int32)
+        return Resize(layer=layer, capacity=capacity, keep=keep)
+
+    # -- per forward ------------------------------------------------------------------------
+
+    def begin_step(self, *, step: int, block: int) -> None:
+        """Optional: name the forward about to run (else inferred from `observe`)."""
+        self.step, self.block = step, block
+
+    def prefill(self, layer: int, experts: np.ndarray) -> None:
+        """Warm a cache at load time (no copy counted): fills free slots in the given order."""
+        cache = self.caches[layer]
+        experts = np.asarray(experts, np.int64)
+        experts = experts[cache.slot_of[experts] < 0]
+        _, first = np.unique(experts, return_index=True)
+        experts = experts[np.sort(first)]
+        free = cache.free_slots()
+        n = min(len(free), len(experts))
+        cache.place(experts[:n], free[:n])
+        self.retention.on_insert(layer, experts[:n])
+
+    def observe(self, layer: int, ids: np.ndarray, weights: np.ndarray, ctx: StepContext) -> None:
+        """After decoding: hand the forward's routing and token states to the retention policy."""
+        self.retention.observe(layer, ids, weights, ctx)
+        if ctx.step + 1 > self.step:
+            self.step, self.block = ctx.step + 1, ctx.block
+
+    def plan(
+        self, layer: int, ids: np.ndarray, weights: np.ndarray, load: Load | None = None
+    ) -> LayerPlan:
+        """Plan one MoE layer for one forward: routing ids/weights [T, K]."""
+        cache, ret = self.caches[layer], self.retention
+        counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)  # [E] tokens per expert
+        used = counts > 0
+        needed = used.nonzero()[0]
+        hit_mask = cache.slot_of[needed] >= 0
+        hits, misses = needed[hit_mask], needed[~hit_mask]
+        self._measure(layer, used, needed)
+        ret.route(layer, ids, weights, self.step)
+        if len(hits):
+            ret.on_hit(layer, hits, self.step)
+        prefetch, protect, want, want_reuse, cpu = self._decide(layer, counts, used, misses, load)
+
+        # Cache slots: free ones first, then victims (cached, not needed, not refresh targets).
+        free = cache.free_slots()
+        n_want = len(prefetch) + len(want)
+        victims = _EMPTY
+        if n_want > len(free):
+            cand = cache.cached()
+            cand = cand[~protect[cand]]
+            n_room = len(free) + len(cand)
+            if n_want > n_room and len(want) > 1:  # not all fit: highest reuse into the cache
+                want = want[(-want_reuse).argsort(kind="stable")]
+            victims = ret.victims(layer, cand, min(n_want, n_room) - len(free))
+        order = np.concatenate([prefetch, want]) if len(prefetch) else want
+        n_cache = min(n_want, len(free) + len(victims))
+        copy_experts = order[:n_cache]
+        copy_slots = free[:n_cache]
+        if len(victims):
+            copy_slots = np.concatenate([free, cache.slot_of[victims]])[:n_cache]
+        if n_cache:
+            cache.place(copy_experts, copy_slots)
+            ret.on_insert(layer, copy_experts)
+
+        # Overflow: needed copies go to the scratch stage, then to the CPU; prefetches drop.
+        n_stage = 0
+        if n_cache < n_want:
+            over = order[n_cache:]
+            over = over[used[over]]
+            n_stage = min(len(over), self.stage_capacity)
+            if n_stage < len(over):
+                cpu = np.concatenate([cpu, over[n_stage:]])
+            over = over[:n_stage]
+        else:
+            over = _EMPTY
+        copied = copy_experts[used[copy_experts]] if len(prefetch) else copy_experts
+        gpu = np.concatenate([hits, copied]) if len(copied) else hits
+        cpu_tokens = counts[cpu]
+
+        row = self.stats.rows[layer]
+        row[0] += 1
+        row[1] += len(needed)
+        row[2] += len(hits)
+        row[3] += len(misses)
+        row[4] += n_cache
+        row[5] += n_cache - len(copied)
+        row[6] += n_stage
+        row[7] += len(cpu)
+        row[8] += int(cpu_tokens.sum())
+        row[9] += len(victims)
+        return LayerPlan(
+            layer=layer,
+            slot_of=cache.slot_of.copy(),
+            gpu_experts=gpu,
+            copy_experts=copy_experts,
+            copy_slots=copy_slots,
+            stage_experts=over,
+            stage_slots=self._stage_slots[:n_stage],
+            cpu_experts=cpu,
+            cpu_tokens=cpu_tokens,
+            hits=hits,
+            misses=misses,
+            evicted=victims,
+        )
+
+    def _decide(
+        self,
+        layer: int,
+        counts: np.ndarray,
+        used: np.ndarray,
+        misses: np.ndarray,
+        load: Load | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Refresh targets, then one copy-or-CPU decision per remaining miss.
+
+        Returns (prefetch: refresh targets to load, protect: [E] never-evict mask,
+        want: misses to copy, their reuse, cpu: misses for the CPU).
+        """
+        cache = self.caches[layer]
+        refresh = self.compensation.refresh(
+            layer=layer, step=self.step, block=self.block, capacity=cache.capacity, tokens=counts
+        )
+        protect, prefetch, rest = used, _EMPTY, misses
+        if refresh is not None and len(refresh):
+            refresh = np.asarray(refresh, np.int64)[: cache.capacity]
+            protect = used.copy()
+            protect[refresh] = True
+            prefetch = refresh[cache.slot_of[refresh] < 0]
+            loading = np.zeros(self.num_experts, bool)
+            loading[prefetch] = True
+            rest = misses[~loading[misses]]
+        if not len(rest):
+            return prefetch, protect, _EMPTY, _EMPTY_F, _EMPTY
+        reuse = self.retention.reuse(layer, rest)
+        copy = self.compensation.decide(
+            layer=layer,
+            experts=rest,
+            tokens=counts[rest],
+            reuse=reuse,
+            load=load or _NO_LOAD,
+            cost=self.cost,
+        )
+        return prefetch, protect, rest[copy], reuse[copy], rest[~copy]
+
+    def _measure(self, layer: int, used: np.ndarray, needed: np.ndarray) -> None:
+        n, k, a = len(needed), self._samples[layer], self.stats_alpha
+        self._ws[layer] = n if k == 0 else self._ws[layer] + a * (n - self._ws[layer])
+        if k:  # overlap needs a previous forward
+            overlap = int(np.count_nonzero(self._prev_used[layer][needed])) / n if n else 0.0
+            r = self._reuse[layer]
+            self._reuse[layer] = overlap if k == 1 else r + a * (overlap - r)
+        self._samples[layer] = k + 1
+        self._prev_used[layer] = used
+
+    @property
+    def layer_stats(self) -> LayerStats:
+        """Measured working set and reuse per layer (what the allocation policy sees)."""
+        return LayerStats(
+            working_set=np.array(self._ws),
+            reuse=np.array(self._reuse),
+            samples=np.array(self._samples, np.int64),
+        )

@@ -1,0 +1,1 @@
+"""Offload policies: allocation, retention, compensation (device-free)."""

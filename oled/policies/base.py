@@ -1,0 +1,267 @@
+"""Device-free policy interfaces: token states, step context, cost model, load, policy ABCs.
+
+Policies see expert ids, gate weights, token confidences and queue load; they return decisions.
+They never touch tensors on a device, so the engine and the simulator share the same objects.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+
+TOKEN_FIXED = 0  # prompt / already decoded / pending prefix rows
+TOKEN_MASKED = 1  # still masked after this iteration
+TOKEN_COMMITTED = 2  # committed by this iteration
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """One forward: indices and, per routed row, the token's state and confidence after decoding."""
+
+    block: int
+    iteration: int  # within the block (0 = first forward of the block)
+    step: int  # over the whole generation
+    token_state: np.ndarray  # [T] int8: TOKEN_FIXED / TOKEN_MASKED / TOKEN_COMMITTED
+    confidence: np.ndarray  # [T] float32; 1.0 for fixed rows
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys over xs."""
+    slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    return float(intercept), float(slope)
+
+
+_MIB = 1 << 20
+
+
+def _h200() -> CostModel:
+    # DESIGN.md section 5: pinned copy ~0.13 ms per 6 MiB expert (46-53 GB/s);
+    # CPU expert bf16, 16 threads, cold weights: 0.19/0.21/0.24/0.32 ms at 1/8/32/64 tokens;
+    # grouped GEMM 0.11/0.13/0.20/0.30/0.38 ms at 8/32/64/128/256 distinct experts;
+    # routing + one host sync per MoE layer: 8.8 ms / 19 layers.
+    cpu_fixed, cpu_tok = _fit_line([1, 8, 32, 64], [0.19, 0.21, 0.24, 0.32])
+    gpu_fixed, gpu_exp = _fit_line([8, 32, 64, 128, 256], [0.11, 0.13, 0.20, 0.30, 0.38])
+    return CostModel(
+        copy_ms_per_expert=0.125,
+        copy_fixed_ms=0.01,
+        cpu_fixed_ms=cpu_fixed,
+        cpu_ms_per_token=cpu_tok,
+        gpu_fixed_ms=gpu_fixed,
+        gpu_ms_per_expert=gpu_exp,
+        expert_bytes=6 * _MIB,
+        layer_ms=0.46,
+    )
+
+
+def _cpu_ci() -> CostModel:
+    # A 2-core CPU-only run: "copies" are memcpy into a slot table, experts run in fp32 on 2 cores.
+    return CostModel(
+        copy_ms_per_expert=1.5,
+        copy_fixed_ms=0.05,
+        cpu_fixed_ms=2.0,
+        cpu_ms_per_token=0.1,
+        gpu_fixed_ms=0.5,
+        gpu_ms_per_expert=1.0,
+        expert_bytes=6 * _MIB,
+        layer_ms=2.0,
+    )
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Modelled costs in milliseconds of copies, CPU experts and GPU expert compute."""
+
+    copy_ms_per_expert: float
+    copy_fixed_ms: float
+    cpu_fixed_ms: float
+    cpu_ms_per_token: float
+    gpu_fixed_ms: float
+    gpu_ms_per_expert: float
+    expert_bytes: int
+    layer_ms: float = 0.0  # non-expert work per MoE layer (attention, router, host sync)
+
+    def copy_ms(self, n_experts: int | np.ndarray) -> float | np.ndarray:
+        """Time to copy n experts host->GPU back to back (0 for none)."""
+        n = np.asarray(n_experts, dtype=np.float64)
+        out = np.where(n > 0, self.copy_fixed_ms + self.copy_ms_per_expert * n, 0.0)
+        return float(out) if out.ndim == 0 else out
+
+    def cpu_ms(self, n_tokens: int | np.ndarray) -> float | np.ndarray:
+        """Time to run ONE expert on the CPU over n tokens (elementwise for arrays)."""
+        n = np.asarray(n_tokens, dtype=np.float64)
+        out = np.where(n > 0, self.cpu_fixed_ms + self.cpu_ms_per_token * n, 0.0)
+        return float(out) if out.ndim == 0 else out
+
+    def gpu_ms(self, n_distinct_experts: int | np.ndarray) -> float | np.ndarray:
+        """Time of one grouped GEMM over n distinct cached experts (0 for none)."""
+        n = np.asarray(n_distinct_experts, dtype=np.float64)
+        out = np.where(n > 0, self.gpu_fixed_ms + self.gpu_ms_per_expert * n, 0.0)
+        return float(out) if out.ndim == 0 else out
+
+    def to_json(self) -> str:
+        """Serialise to a JSON object string."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> CostModel:
+        """Parse the output of `to_json` (unknown keys are an error)."""
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown CostModel fields: {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def profile(cls, name: str) -> CostModel:
+        """A named profile: 'h200' (DESIGN.md section 5) or 'cpu-ci'."""
+        if name in _PROFILES:
+            return _PROFILES[name]()
+        close = difflib.get_close_matches(name, _PROFILES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown cost profile {name!r} (known: {sorted(_PROFILES)}){hint}")
+
+    @staticmethod
+    def profiles() -> list[str]:
+        """Names accepted by `profile`."""
+        return sorted(_PROFILES)
+
+
+_PROFILES = {"h200": _h200, "cpu-ci": _cpu_ci}
+
+
+@dataclass
+class Load:
+    """Work already queued when a layer is planned."""
+
+    copy_queue_ms: float = 0.0  # copies queued and not finished
+    cpu_queue_ms: float = 0.0  # CPU expert work queued and not finished
+
+
+@dataclass
+class LayerStats:
+    """Per-MoE-layer routing statistics measured by the planner (EMA over iterations)."""
+
+    working_set: np.ndarray  # [L] float64: distinct experts per iteration (EMA)
+    reuse: np.ndarray  # [L] float64: fraction of this iteration's experts used last iteration
+    samples: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [L] iterations
+
+    @classmethod
+    def empty(cls, num_layers: int) -> LayerStats:
+        """No measurements yet."""
+        z = np.zeros(num_layers, np.float64)
+        return cls(working_set=z.copy(), reuse=z.copy(), samples=np.zeros(num_layers, np.int64))
+
+    def update(self, layer: int, distinct: int, overlap: float, *, alpha: float = 0.2) -> None:
+        """Fold in one iteration of one layer (first sample initialises the EMA)."""
+        n = self.samples[layer]
+        if n == 0:  # no previous iteration: no overlap yet
+            self.working_set[layer] = distinct
+        elif n == 1:
+            self.working_set[layer] += alpha * (distinct - self.working_set[layer])
+            self.reuse[layer] = overlap
+        else:
+            self.working_set[layer] += alpha * (distinct - self.working_set[layer])
+            self.reuse[layer] += alpha * (overlap - self.reuse[layer])
+        self.samples[layer] += 1
+
+    @property
+    def ready(self) -> bool:
+        """True once every layer has at least one sample."""
+        return bool(self.samples.size and (self.samples > 0).all())
+
+
+class AllocationPolicy(ABC):
+    """Splits the GPU expert-slot budget across MoE layers."""
+
+    replan: bool = False  # whether the planner re-plans at block boundaries
+
+    @abstractmethod
+    def allocate(
+        self, *, total_slots: int, num_layers: int, num_experts: int, stats: LayerStats | None
+    ) -> list[int]:
+        """Slots per MoE layer: sum <= total_slots, each in [1, num_experts]."""
+
+
+class RetentionPolicy(ABC):
+    """Decides which cached experts to evict; predicts near-future reuse."""
+
+    def reset(self, *, num_layers: int, num_experts: int) -> None:
+        """Start from an empty state (called by the planner at construction)."""
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+
+    def route(self, layer: int, ids: np.ndarray, weights: np.ndarray, step: int = 0) -> None:
+        """This forward's routing [T, K] of `layer` at plan time, before decoding (optional)."""
+        return None
+
+    def observe(self, layer: int, ids: np.ndarray, weights: np.ndarray, ctx: StepContext) -> None:
+        """After every forward: routing [T, K] of `layer` and the decoded tokens' states."""
+        return None
+
+    def on_insert(self, layer: int, experts: np.ndarray) -> None:
+        """Experts were copied into the layer's cache."""
+        return None
+
+    def on_hit(self, layer: int, experts: np.ndarray, step: int) -> None:
+        """Cached experts were used at `step`."""
+        return None
+
+    @abstractmethod
+    def victims(self, layer: int, candidates: np.ndarray, n: int) -> np.ndarray:
+        """Choose n of the candidate cached experts to evict."""
+
+    def reuse(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Predicted probability that each expert is used next iteration (default 0.5)."""
+        return np.full(len(experts), 0.5)
+
+
+def lowest(priority: np.ndarray, candidates: np.ndarray, n: int) -> np.ndarray:
+    """The n candidates with the lowest priority (ties: lower expert id first)."""
+    if n <= 0:
+        return candidates[:0]
+    if n >= len(candidates):
+        return candidates
+    p = priority[candidates]
+    idx = np.argpartition(p, n - 1)[:n]
+    return candidates[idx]
+
+
+class CompensationPolicy(ABC):
+    """Decides, per missed expert, copy to the GPU (True) or compute on the CPU (False)."""
+
+    @abstractmethod
+    def decide(
+        self,
+        *,
+        layer: int,
+        experts: np.ndarray,
+        tokens: np.ndarray,
+        reuse: np.ndarray,
+        load: Load,
+        cost: CostModel,
+    ) -> np.ndarray:
+        """Boolean per missed expert: True = copy to GPU, False = CPU."""
+
+    def reset(self, *, num_layers: int, num_experts: int) -> None:
+        """Start from an empty state (called by the planner at construction)."""
+        return None
+
+    def refresh(
+        self, *, layer: int, step: int, block: int, capacity: int, tokens: np.ndarray
+    ) -> np.ndarray | None:
+        """Experts the layer's cache should hold from now on, in priority order, or None.
+
+        `tokens` [E] counts this forward's tokens per expert. The planner copies the listed
+        experts that are not cached (evicting cached experts outside the list that this step does
+        not need), before per-miss decisions; misses it loads count as copies.
+        """
+        return None
+
+    def prefill(self, *, layer: int, capacity: int) -> np.ndarray | None:
+        """Experts to place in the cache before the first forward (load time), or None."""
+        return None

@@ -1,0 +1,229 @@
+"""Compensation policies: per missed expert, copy it to the GPU (True) or run it on the CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from oled.policies.base import CompensationPolicy, CostModel, Load
+
+
+def best_split(
+    *,
+    cpu_cost: np.ndarray,
+    order: np.ndarray,
+    load: Load,
+    cost: CostModel,
+    future: np.ndarray | None = None,
+) -> np.ndarray:
+    """Copy the first k misses of `order`, the rest on the CPU; k minimises the objective.
+
+    objective(k) = max(copy queue + copy_ms(k), cpu queue + CPU work of the rest)
+                   + sum of `future` over the misses left on the CPU.
+    Evaluated for every k at once with cumulative sums.
+    """
+    n = len(order)
+    left = np.empty(n + 1)  # CPU work (plus future cost) left after copying the first k
+    left[0] = 0.0
+    obj = cpu_cost[order].cumsum(out=left[1:])
+    cpu_left = load.cpu_queue_ms + (obj[-1] - left)
+    copy_t = _copy_times(n, load.copy_queue_ms, cost)
+    obj = np.maximum(copy_t, cpu_left)
+    if future is not None:
+        future[order].cumsum(out=left[1:])
+        obj += left[-1] - left
+    best = int(obj.argmin())
+    out = np.zeros(n, bool)
+    out[order[:best]] = True
+    return out
+
+
+def _copy_times(n: int, queue_ms: float, cost: CostModel) -> np.ndarray:
+    """[n + 1] copy-engine finish time after copying 0..n experts."""
+    t = np.arange(n + 1, dtype=np.float64)
+    t *= cost.copy_ms_per_expert
+    t += queue_ms + cost.copy_fixed_ms
+    t[0] = queue_ms
+    return t
+
+
+class CooperativeCompensation(CompensationPolicy):
+    """OLED: load- and reuse-aware copy-or-CPU choice minimising the layer's finish time.
+
+    Misses are ranked by what copying saves (their CPU time + future_weight x reuse x the copy
+    cost of missing them again); the first k are copied, k minimising max(copy queue + copies,
+    CPU queue + CPU work) + future_weight x reuse x copy cost of every miss left on the CPU.
+    """
+
+    def __init__(self, *, future_weight: float = 1.0, horizon: int = 1) -> None:
+        self.future_weight = future_weight
+        self.horizon = horizon  # future iterations whose misses count (expected cost x horizon)
+
+    def decide(
+        self,
+        *,
+        layer: int,
+        experts: np.ndarray,
+        tokens: np.ndarray,
+        reuse: np.ndarray,
+        load: Load,
+        cost: CostModel,
+    ) -> np.ndarray:
+        """Greedy prefix split over the ranked misses."""
+        cpu_cost = cost.cpu_fixed_ms + cost.cpu_ms_per_token * tokens  # misses have tokens > 0
+        miss_again = np.minimum(cpu_cost, cost.copy_ms_per_expert)
+        future = (self.future_weight * self.horizon) * reuse * miss_again
+        order = (-(cpu_cost + future)).argsort(kind="stable")
+        return best_split(cpu_cost=cpu_cost, order=order, load=load, cost=cost, future=future)
+
+
+class MakespanCompensation(CompensationPolicy):
+    """HybriMoE-style scheduler: heaviest misses to the GPU until CPU and copy queues balance."""
+
+    def __init__(self) -> None:
+        pass
+
+    def decide(
+        self,
+        *,
+        layer: int,
+        experts: np.ndarray,
+        tokens: np.ndarray,
+        reuse: np.ndarray,
+        load: Load,
+        cost: CostModel,
+    ) -> np.ndarray:
+        """Minimise max(copy finish, CPU finish)."""
+        cpu_cost = cost.cpu_fixed_ms + cost.cpu_ms_per_token * tokens  # misses have tokens > 0
+        order = (-cpu_cost).argsort(kind="stable")
+        return best_split(cpu_cost=cpu_cost, order=order, load=load, cost=cost)
+
+
+class BatchThreshold(CompensationPolicy):
+    """llama.cpp: copy an expert to the GPU when it has at least `min_tokens` tokens, else CPU."""
+
+    def __init__(self, *, min_tokens: int = 32) -> None:
+        self.min_tokens = min_tokens
+
+    def decide(
+        self,
+        *,
+        layer: int,
+        experts: np.ndarray,
+        tokens: np.ndarray,
+        reuse: np.ndarray,
+        load: Load,
+        cost: CostModel,
+    ) -> np.ndarray:
+        """tokens >= min_tokens."""
+        return np.asarray(tokens) >= self.min_tokens
+
+
+class TransferOnly(CompensationPolicy):
+    """Copy every miss to the GPU (mixtral-offloading, MoE-Infinity)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def decide(
+        self,
+        *,
+        layer: int,
+        experts: np.ndarray,
+        tokens: np.ndarray,
+        reuse: np.ndarray,
+        load: Load,
+        cost: CostModel,
+    ) -> np.ndarray:
+        """All True."""
+        return np.ones(len(experts), bool)
+
+
+class CpuOnly(CompensationPolicy):
+    """Run every miss on the CPU (Fiddler-style)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def decide(
+        self,
+        *,
+        layer: int,
+        experts: np.ndarray,
+        tokens: np.ndarray,
+        reuse: np.ndarray,
+        load: Load,
+        cost: CostModel,
+    ) -> np.ndarray:
+        """All False."""
+        return np.zeros(len(experts), bool)
+
+
+class Resident(TransferOnly):
+    """Every expert on the GPU: the cache is prefilled at load time; any miss is copied."""
+
+    def prefill(self, *, layer: int, capacity: int) -> np.ndarray | None:
+        """The first `capacity` expert ids (all of them when capacity == num_experts)."""
+        return np.arange(capacity)
+
+
+class IntervalRefresh(CpuOnly):
+    """TIDE: every `interval` forwards each layer loads its experts with the most tokens.
+
+    Between refreshes every miss runs on the CPU. At a refresh the layer's cache is reloaded with
+    the (up to capacity) experts of that forward that have the most tokens.
+    """
+
+    def __init__(self, *, interval: int = 4, min_tokens: int = 1) -> None:
+        self.interval = interval
+        self.min_tokens = min_tokens  # experts below this token count are never loaded
+
+    def refresh(
+        self, *, layer: int, step: int, block: int, capacity: int, tokens: np.ndarray
+    ) -> np.ndarray | None:
+        """Top experts by token count on refresh forwards."""
+        if step % self.interval:
+            return None
+        top = np.argsort(-tokens, kind="stable")[:capacity]
+        return top[tokens[top] >= max(1, self.min_tokens)]
+
+
+class StaticHot(CpuOnly):
+    """Fiddler / kTransformers: the hottest experts of a profile stay on the GPU; misses on the CPU.
+
+    The profile is `counts` ([num_layers][num_experts] token counts) or, when absent, learned
+    over the first `learn_blocks` blocks, after which the hot set is loaded once.
+    """
+
+    def __init__(self, *, counts: list[list[float]] | None = None, learn_blocks: int = 1) -> None:
+        self.counts = None if counts is None else np.asarray(counts, np.float64)
+        self.learn_blocks = learn_blocks
+        self._learned: dict[int, np.ndarray] = {}
+        self._loaded: set[int] = set()
+
+    def reset(self, *, num_layers: int, num_experts: int) -> None:
+        """Forget the learned profile."""
+        self._learned, self._loaded = {}, set()
+
+    def _hot(self, counts: np.ndarray, capacity: int) -> np.ndarray:
+        top = np.argsort(-counts, kind="stable")[:capacity]
+        return top[counts[top] > 0]
+
+    def prefill(self, *, layer: int, capacity: int) -> np.ndarray | None:
+        """The profile's hottest experts, when a profile is given."""
+        if self.counts is None:
+            return None
+        self._loaded.add(layer)
+        return self._hot(self.counts[layer], capacity)
+
+    def refresh(
+        self, *, layer: int, step: int, block: int, capacity: int, tokens: np.ndarray
+    ) -> np.ndarray | None:
+        """Learn during the first blocks, then load the hot set once."""
+        if layer in self._loaded:
+            return None
+        if block < self.learn_blocks:
+            acc = self._learned.setdefault(layer, np.zeros(len(tokens)))
+            acc += tokens
+            return None
+        self._loaded.add(layer)
+        return self._hot(self._learned.get(layer, tokens.astype(np.float64)), capacity)

@@ -1,0 +1,1 @@
+"""Routing traces: file format, recorder, synthetic traces, simulator and Belady bound."""

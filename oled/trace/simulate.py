@@ -1,0 +1,235 @@
+"""Replay a trace through the Planner and policy objects with a modelled timeline; Belady bound.
+
+Timeline of one MoE layer (all times in ms, from the layer's start t0 = previous layer's end +
+cost.layer_ms): the GPU computes the hits at once (gpu_ms(hits)); copies run on one copy-engine
+queue (copy_ms(copies + staged)), then the GPU computes the copied experts (gpu_ms(n)); the
+CPU runs its experts one after another (sum of cpu_ms(tokens)) in parallel. The layer ends when
+the GPU and the CPU are both done. Stall = time the GPU waits for copies after its hits.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from oled.offload.planner import LayerPlan, Planner
+from oled.policies.base import (
+    AllocationPolicy,
+    CompensationPolicy,
+    CostModel,
+    Load,
+    RetentionPolicy,
+)
+from oled.trace.format import Trace
+
+
+@dataclass
+class SimResult:
+    """Replay outcome (hit rates over distinct-expert requests per layer and forward)."""
+
+    hit_rate: float
+    hit_rate_per_layer: list[float]
+    copies: int
+    staged: int
+    cpu_experts: int
+    cpu_share: float  # CPU (token, expert) pairs over all routed pairs
+    copies_per_iteration: float
+    gb_copied_per_iteration: float
+    stall_ms: float  # total over the trace
+    ms_per_iteration: float  # mean modelled forward time
+    p90_ms_per_iteration: float
+    iterations: int
+    capacities: list[int]  # at the end of the trace
+    capacity_history: list[list[int]]  # [S][L] capacities each forward ran with
+    stats: dict[str, list[int]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """JSON-friendly."""
+        return asdict(self)
+
+
+@dataclass
+class _Clock:
+    """Copy-engine and CPU queues, as absolute times within the current forward."""
+
+    copy_free: float = 0.0
+    cpu_free: float = 0.0
+    stall: float = 0.0
+
+    def layer(self, t0: float, plan: LayerPlan, cost: CostModel) -> float:
+        """Advance through one layer; returns its end time."""
+        n_hits = len(plan.hits)
+        gpu_end = t0 + cost.gpu_ms(n_hits)
+        n_copy = len(plan.copy_experts) + len(plan.stage_experts)
+        if n_copy:
+            copy_done = max(t0, self.copy_free) + cost.copy_ms(n_copy)
+            self.copy_free = copy_done
+            n_late = len(plan.gpu_experts) - n_hits + len(plan.stage_experts)
+            if n_late:
+                self.stall += max(0.0, copy_done - gpu_end)
+                gpu_end = max(gpu_end, copy_done) + cost.gpu_ms(n_late)
+        cpu_end = t0
+        if len(plan.cpu_experts):
+            work = float(cost.cpu_ms(plan.cpu_tokens).sum())
+            cpu_end = max(t0, self.cpu_free) + work
+            self.cpu_free = cpu_end
+        return max(gpu_end, cpu_end)
+
+
+def simulate(
+    trace: Trace,
+    *,
+    allocation: AllocationPolicy,
+    retention: RetentionPolicy,
+    compensation: CompensationPolicy,
+    cost: CostModel,
+    total_slots: int,
+    stage_capacity: int = 8,
+) -> SimResult:
+    """Replay `trace` through a fresh Planner built from these policy objects."""
+    m = trace.meta
+    planner = Planner(
+        num_layers=m.num_moe_layers,
+        num_experts=m.num_experts,
+        top_k=m.top_k,
+        total_slots=total_slots,
+        stage_capacity=stage_capacity,
+        allocation=allocation,
+        retention=retention,
+        compensation=compensation,
+        cost=cost,
+    )
+    step_ms = np.zeros(trace.num_steps)
+    history = np.zeros((trace.num_steps, m.num_moe_layers), np.int64)
+    clock = _Clock()
+    prev_block = None
+    for s, (ctx, routing) in enumerate(trace):
+        if prev_block is not None and ctx.block != prev_block:
+            planner.end_block()
+        prev_block = ctx.block
+        planner.begin_step(step=ctx.step, block=ctx.block)
+        history[s] = planner.capacities
+        t = 0.0
+        for layer, (ids, w) in enumerate(routing):
+            t0 = t + cost.layer_ms
+            load = Load(
+                copy_queue_ms=max(0.0, clock.copy_free - t0),
+                cpu_queue_ms=max(0.0, clock.cpu_free - t0),
+            )
+            t = clock.layer(t0, planner.plan(layer, ids, w, load), cost)
+        for layer, (ids, w) in enumerate(routing):
+            planner.observe(layer, ids, w, ctx)
+        step_ms[s] = t
+        clock.copy_free = max(0.0, clock.copy_free - t)
+        clock.cpu_free = max(0.0, clock.cpu_free - t)
+    return _result(trace, planner, step_ms, history, clock.stall, cost)
+
+
+def _result(
+    trace: Trace,
+    planner: Planner,
+    step_ms: np.ndarray,
+    history: np.ndarray,
+    stall: float,
+    cost: CostModel,
+) -> SimResult:
+    st = planner.stats
+    n = max(1, trace.num_steps)
+    copies = int(st.copies.sum() + st.staged.sum())
+    pairs = trace.ids.shape[0] * trace.ids.shape[1] * trace.ids.shape[2]
+    return SimResult(
+        hit_rate=st.hit_rate(),
+        hit_rate_per_layer=(st.hits / np.maximum(1, st.requests)).tolist(),
+        copies=int(st.copies.sum()),
+        staged=int(st.staged.sum()),
+        cpu_experts=int(st.cpu_experts.sum()),
+        cpu_share=float(st.cpu_tokens.sum() / max(1, pairs)),
+        copies_per_iteration=copies / n,
+        gb_copied_per_iteration=copies * cost.expert_bytes / n / 1e9,
+        stall_ms=float(stall),
+        ms_per_iteration=float(step_ms.mean()) if len(step_ms) else 0.0,
+        p90_ms_per_iteration=float(np.percentile(step_ms, 90)) if len(step_ms) else 0.0,
+        iterations=trace.num_steps,
+        capacities=list(planner.capacities),
+        capacity_history=history.tolist(),
+        stats=st.to_dict(),
+    )
+
+
+# -- Belady with bypass --------------------------------------------------------------------
+
+
+def requests(trace: Trace, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(experts, step index) of every request of one layer: one distinct expert per forward."""
+    ids = trace.ids[layer].astype(np.int64)  # [R, K]
+    row_step = np.repeat(np.arange(trace.num_steps), np.diff(trace.row_offsets))
+    key = np.unique(row_step[:, None] * trace.meta.num_experts + ids)  # sorted by step, expert
+    return key % trace.meta.num_experts, key // trace.meta.num_experts
+
+
+def _next_use(experts: np.ndarray) -> np.ndarray:
+    """Index of the next request of the same expert (len(experts) when none)."""
+    n = len(experts)
+    order = np.lexsort((np.arange(n), experts))
+    nxt = np.full(n, n, np.int64)
+    same = experts[order[1:]] == experts[order[:-1]]
+    nxt[order[:-1][same]] = order[1:][same]
+    return nxt
+
+
+def belady_layer(experts: np.ndarray, steps: np.ndarray, capacity: np.ndarray | int) -> int:
+    """Hits of offline-optimal caching with bypass over one layer's request sequence.
+
+    `capacity` is an int or, per step index, an array (a shrinking cache evicts the furthest).
+    """
+    caps = np.broadcast_to(np.asarray(capacity), (int(steps.max(initial=-1)) + 1,)).tolist()
+    nxt = _next_use(experts).tolist()
+    never = len(experts)
+    cached: dict[int, int] = {}  # expert -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, expert), lazily invalidated
+    hits, cur, cap = 0, -1, 0
+    for e, nu, s in zip(experts.tolist(), nxt, steps.tolist(), strict=True):
+        if s != cur:
+            cur, cap = s, caps[s]
+            while len(cached) > cap:
+                _pop_furthest(cached, heap)
+        if e in cached:
+            hits += 1
+        elif nu == never:
+            continue  # never requested again: bypass
+        elif len(cached) >= cap:
+            _top_valid(cached, heap)
+            if -heap[0][0] <= nu:
+                continue  # the new expert is the furthest: bypass (run it on the CPU)
+            _pop_furthest(cached, heap)
+        cached[e] = nu
+        heapq.heappush(heap, (-nu, e))
+    return hits
+
+
+def _top_valid(cached: dict[int, int], heap: list[tuple[int, int]]) -> None:
+    while cached.get(heap[0][1]) != -heap[0][0]:
+        heapq.heappop(heap)
+
+
+def _pop_furthest(cached: dict[int, int], heap: list[tuple[int, int]]) -> None:
+    _top_valid(cached, heap)
+    del cached[heapq.heappop(heap)[1]]
+
+
+def belady_bypass(trace: Trace, capacities: list[int] | np.ndarray) -> float:
+    """Offline-optimal hit rate (evict furthest next use; a miss may bypass the cache).
+
+    `capacities`: per MoE layer [L], or per step and layer [S, L] for re-planned allocations
+    (`SimResult.capacity_history`). Cold start: the caches begin empty.
+    """
+    caps = np.asarray(capacities)
+    hits = total = 0
+    for layer in range(trace.meta.num_moe_layers):
+        experts, steps = requests(trace, layer)
+        cap = caps[layer] if caps.ndim == 1 else caps[:, layer]
+        hits += belady_layer(experts, steps, cap)
+        total += len(experts)
+    return hits / max(1, total)

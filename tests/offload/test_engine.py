@@ -1,0 +1,145 @@
+"""The offloaded runtime computes the same function as the all-resident model.
+
+On one device (here the CPU: slot tables in host memory, copies as memcpy, CPU experts on the
+worker thread) every policy and budget must give bit-identical tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oled.offload.budget import Budget, total_slots
+from oled.policies import allocation as A
+from oled.policies import compensation as C
+from oled.policies import retention as R
+from oled.runtime import build_runtime, load_runtime
+
+PROMPTS = ["What is the capital of France?", "Once upon a time there was a small robot"]
+RETENTION = {
+    "lru": R.LRURetention,
+    "lfu": R.LFURetention,
+    "score_ema": R.ScoreEMARetention,
+    "confidence": R.ConfidenceRetention,
+}
+COMPENSATION = {
+    "transfer_only": C.TransferOnly,
+    "cpu_only": C.CpuOnly,
+    "batch_threshold": lambda: C.BatchThreshold(min_tokens=2),
+    "makespan": C.MakespanCompensation,
+    "cooperative": C.CooperativeCompensation,
+    "interval_refresh": lambda: C.IntervalRefresh(interval=3),
+    "static_hot": C.StaticHot,
+}
+BUDGETS = {"one-slot": Budget("expert_budget", 3), "quarter": Budget("expert_fraction", 0.25)}
+
+
+def answers(rt, dtype_threshold=0.6):
+    return [rt.generate(p, max_new_tokens=40, threshold=dtype_threshold).token_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    rt = load_runtime(str(tiny_dir), device="cpu", dtype="float32")
+    return answers(rt)
+
+
+def offloaded(tiny_dir, budget, retention, compensation, allocation=None, dtype="float32"):
+    return build_runtime(
+        model=str(tiny_dir), device="cpu", dtype=dtype, budget=budget, cost="cpu-ci",
+        retention=retention, compensation=compensation, allocation=allocation or A.UniformAllocation(),
+        stage_capacity=2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("compensation", COMPENSATION)
+@pytest.mark.parametrize("retention", RETENTION)
+def test_every_policy_and_budget_gives_the_resident_tokens(
+    tiny_dir, reference, retention, compensation, budget
+):
+    rt = offloaded(tiny_dir, BUDGETS[budget], RETENTION[retention](), COMPENSATION[compensation]())
+    try:
+        assert answers(rt) == reference
+        s = rt.stats()
+        assert s["hits"] + s["misses"] > 0
+        if compensation == "cpu_only":
+            assert s["copies"] == 0 and s["cpu_experts"] > 0
+    finally:
+        rt.close()
+
+
+def test_adaptive_allocation_replans_and_stays_exact(tiny_dir, reference):
+    rt = offloaded(
+        tiny_dir, Budget("expert_fraction", 0.3), R.ConfidenceRetention(),
+        C.CooperativeCompensation(), allocation=A.AdaptiveAllocation(),
+    )  # fmt: skip
+    try:
+        assert answers(rt) == reference
+        caps = rt.executor.planner.capacities
+        assert sum(caps) <= round(0.3 * 3 * 32)
+        assert [t.shape[0] for t in rt.executor.w13] == caps
+    finally:
+        rt.close()
+
+
+def test_bf16_is_exact_too(tiny_dir):
+    ref = load_runtime(str(tiny_dir), device="cpu", dtype="bfloat16")
+    rt = offloaded(
+        tiny_dir,
+        Budget("expert_budget", 4),
+        R.LRURetention(),
+        C.MakespanCompensation(),
+        dtype="bfloat16",
+    )
+    try:
+        assert answers(rt) == answers(ref)
+    finally:
+        rt.close()
+
+
+def test_stats_count_every_request(tiny_dir):
+    rt = offloaded(tiny_dir, Budget("expert_fraction", 0.25), R.LRURetention(), C.TransferOnly())
+    try:
+        rt.generate(PROMPTS[0], max_new_tokens=32)
+        s = rt.stats()
+        per_layer = s["per_layer"]
+        assert len(per_layer) == 3
+        assert sum(r["hits"] for r in per_layer) == s["hits"]
+        assert len(s["per_iteration"]) == s["iterations"]
+        assert s["copies"] >= s["misses"] - s["cpu_experts"]
+        assert s["copy_bytes"] == s["copies"] * rt.checkpoint.experts.expert_bytes
+        assert 0 < s["hit_rate"] < 1
+    finally:
+        rt.close()
+
+
+def test_budget_too_small_fails_before_loading(tiny_dir, monkeypatch):
+    import oled.runtime as runtime
+
+    def no_loading(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(runtime, "load_checkpoint", no_loading)
+    with pytest.raises(ValueError, match=r"budget too small: expert_budget 2 slots.*at least 3"):
+        build_runtime(model=str(tiny_dir), device="cpu", budget=Budget("expert_budget", 2))
+    with pytest.raises(ValueError, match=r"gpu_memory 0.01 GiB .* Minimum device memory: 0.5"):
+        build_runtime(model=str(tiny_dir), device="cpu", budget=Budget("gpu_memory", 1e7))
+
+
+def test_memory_budget_counts_slots():
+    from oled.model.config import mini_config
+
+    cfg = mini_config()
+    slots = total_slots(
+        Budget("gpu_memory", 24 * 2**30), cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
+        stage_capacity=8,
+    )  # fmt: skip
+    # 24 GiB minus 1.8 GiB of non-expert weights, KV cache and reserve: about 3,500 6-MiB slots
+    assert 3300 < slots < 3700
+    assert (
+        total_slots(
+            Budget("expert_fraction", 1.0), cfg, dtype=torch.bfloat16, device=torch.device("cpu")
+        )
+        is None
+    )

@@ -1,0 +1,169 @@
+"""Planner invariants (hypothesis) and slot bookkeeping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oled.offload.planner import Planner
+from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
+from oled.policies.base import TOKEN_MASKED, CostModel, Load, StepContext
+from oled.policies.compensation import (
+    BatchThreshold,
+    CooperativeCompensation,
+    CpuOnly,
+    IntervalRefresh,
+    MakespanCompensation,
+    Resident,
+    StaticHot,
+    TransferOnly,
+)
+from oled.policies.retention import (
+    ConfidenceRetention,
+    LFURetention,
+    LRURetention,
+    ScoreEMARetention,
+)
+
+RETENTIONS = [ConfidenceRetention, LRURetention, LFURetention, ScoreEMARetention]
+COMPENSATIONS = [
+    CooperativeCompensation, MakespanCompensation, BatchThreshold, TransferOnly, CpuOnly,
+    IntervalRefresh, StaticHot, Resident,
+]  # fmt: skip
+COST = CostModel.profile("h200")
+
+
+def make(
+    ret=LRURetention, comp=TransferOnly, *, layers=3, experts=16, k=2, slots=12, stage=2, alloc=None
+) -> Planner:
+    return Planner(
+        num_layers=layers, num_experts=experts, top_k=k, total_slots=slots, stage_capacity=stage,
+        allocation=alloc or UniformAllocation(), retention=ret(), compensation=comp(), cost=COST,
+    )  # fmt: skip
+
+
+def ctx_for(t: int, step: int, block: int = 0, seed: int = 0) -> StepContext:
+    rng = np.random.default_rng(seed + step)
+    return StepContext(
+        block=block, iteration=step, step=step,
+        token_state=rng.integers(0, 3, t).astype(np.int8),
+        confidence=rng.random(t).astype(np.float32),
+    )  # fmt: skip
+
+
+def check_plan(planner: Planner, plan, ids: np.ndarray, before: np.ndarray) -> None:
+    """Invariants of one plan against the cache state before it."""
+    cache = planner.caches[plan.layer]
+    cache.check()
+    needed = np.unique(ids)
+    assert (cache.expert_in >= 0).sum() <= cache.capacity
+    # every miss gets exactly one decision; hits are exactly the needed experts cached before
+    assert set(plan.hits) == {e for e in needed if before[e] >= 0}
+    assert set(plan.misses) == set(needed) - set(plan.hits)
+    copied = plan.copy_experts[np.isin(plan.copy_experts, needed)]
+    decided = np.concatenate([copied, plan.stage_experts, plan.cpu_experts])
+    assert sorted(decided.tolist()) == sorted(plan.misses.tolist())
+    assert set(plan.gpu_experts) == set(plan.hits) | set(copied)
+    # victims were cached before and are not needed this step
+    for v in plan.evicted:
+        assert before[v] >= 0 and v not in needed
+        assert cache.slot_of[v] < 0
+    # needed experts cached before stay cached
+    assert (cache.slot_of[plan.hits] >= 0).all()
+    assert (plan.slot_of[plan.gpu_experts] >= 0).all()
+    assert (cache.slot_of[plan.copy_experts] == plan.copy_slots).all()
+    assert len(plan.stage_experts) <= planner.stage_capacity
+    assert (plan.stage_slots < max(1, planner.stage_capacity)).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ret=st.sampled_from(RETENTIONS),
+    comp=st.sampled_from(COMPENSATIONS),
+    slots=st.integers(3, 48),
+    stage=st.integers(0, 3),
+    seed=st.integers(0, 10_000),
+)
+def test_plan_invariants(ret, comp, slots, stage, seed) -> None:
+    rng = np.random.default_rng(seed)
+    planner = make(ret, comp, slots=slots, stage=stage, alloc=AdaptiveAllocation())
+    for step in range(12):
+        if step % 4 == 0 and step:
+            planner.end_block()
+            for c in planner.caches:
+                c.check()
+        planner.begin_step(step=step, block=step // 4)
+        t = int(rng.integers(1, 6))
+        for layer in range(3):
+            ids = rng.integers(0, 16, (t, 2))
+            w = rng.random((t, 2)).astype(np.float32)
+            before = planner.caches[layer].slot_of.copy()
+            load = Load(copy_queue_ms=float(rng.random()), cpu_queue_ms=float(rng.random()))
+            check_plan(planner, planner.plan(layer, ids, w, load), ids, before)
+            planner.observe(layer, ids, w, ctx_for(t, step))
+    assert sum(planner.capacities) <= slots
+    assert min(planner.capacities) >= 1
+
+
+def test_capacity_one_many_misses_use_stage_then_cpu() -> None:
+    planner = make(comp=TransferOnly, slots=3, stage=2)
+    ids = np.array([[0, 1], [2, 3], [4, 5]])
+    plan = planner.plan(0, ids, np.ones((3, 2), np.float32), Load())
+    assert len(plan.copy_experts) == 1 and len(plan.stage_experts) == 2
+    assert len(plan.cpu_experts) == 3
+    assert list(plan.stage_slots) == [0, 1]
+
+
+def test_budget_below_minimum_raises() -> None:
+    with pytest.raises(ValueError, match="minimum of 3"):
+        make(slots=2)
+
+
+def test_resident_prefilled_all_hits() -> None:
+    planner = make(comp=Resident, slots=48)
+    assert planner.capacities == [16, 16, 16]
+    plan = planner.plan(1, np.arange(16).reshape(8, 2), np.ones((8, 2), np.float32))
+    assert len(plan.hits) == 16 and len(plan.misses) == 0
+
+
+def test_full_capacity_warm_fill_then_hits() -> None:
+    planner = make(comp=TransferOnly, slots=48)
+    ids = np.arange(16).reshape(8, 2)
+    first = planner.plan(0, ids, np.ones((8, 2), np.float32))
+    assert len(first.copy_experts) == 16 and len(first.evicted) == 0
+    second = planner.plan(0, ids, np.ones((8, 2), np.float32))
+    assert len(second.hits) == 16
+
+
+def test_end_block_resize_keeps_slot_maps_consistent() -> None:
+    planner = make(comp=TransferOnly, alloc=AdaptiveAllocation(floor_fraction=0.0), slots=24)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        for layer in range(3):
+            n = 12 if layer == 0 else 3  # layer 0 has a much larger working set
+            ids = rng.permutation(16)[:n].reshape(-1, 1).repeat(2, axis=1)
+            planner.plan(layer, ids, np.ones(ids.shape, np.float32))
+    resizes = planner.end_block()
+    assert resizes is not None
+    assert planner.capacities[0] > planner.capacities[1]
+    for r in resizes:
+        cache = planner.caches[r.layer]
+        cache.check()
+        assert cache.capacity == r.capacity
+        assert (r.keep[:, 1] < r.capacity).all()
+        assert len(set(r.keep[:, 1].tolist())) == len(r.keep)
+
+
+def test_plan_marks_masked_observation() -> None:
+    # smoke: observe advances the step used for recency
+    planner = make()
+    ids = np.array([[0, 1]])
+    planner.plan(0, ids, np.ones((1, 2), np.float32))
+    ctx = StepContext(
+        block=0, iteration=0, step=0, token_state=np.array([TOKEN_MASKED], np.int8),
+        confidence=np.array([0.1], np.float32),
+    )  # fmt: skip
+    planner.observe(0, ids, np.ones((1, 2), np.float32), ctx)
+    assert planner.step == 1
