@@ -107,12 +107,13 @@ class StageProfiler(DecodeObserver):
         return totals
 
 
-def run_once(rt: Runtime, prompt: list[int], decode, observers=()) -> Any:
+def run_once(rt: Runtime, prompt: list[int], decode, observers=()) -> tuple[Any, dict | None]:
+    """One generation: its decoding statistics and the offload engine's figures."""
     for _ in rt.stream(prompt, decode=decode, observers=observers):
         pass
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
-    return rt.last_stats
+    return rt.last_stats, offload_stats(rt)
 
 
 def bench_runtime(rt: Runtime, cfg: BenchConfig, label: str) -> dict[str, Any]:
@@ -123,17 +124,19 @@ def bench_runtime(rt: Runtime, cfg: BenchConfig, label: str) -> dict[str, Any]:
     for _ in range(cfg.warmup_runs):
         run_once(rt, prompt, decode)
     profiling = cfg.profile and rt.device.type == "cuda"
-    runs, stages = [], {}
+    runs, offload, stages = [], [], {}
     for _ in range(cfg.runs):
         profiler = StageProfiler(rt) if profiling else None
-        stats = run_once(rt, prompt, decode, [profiler] if profiler else ())
+        stats, off = run_once(rt, prompt, decode, [profiler] if profiler else ())
         runs.append(stats)
+        offload += [off] if off is not None else []
         for name, ms in (profiler.close() if profiler else {}).items():
             stages[name] = stages.get(name, 0.0) + ms
-    return summarise(label, runs, stages)
+    return summarise(label, runs, stages, offload)
 
 
-def summarise(label: str, runs: Sequence[Any], stages: dict[str, float]) -> dict[str, Any]:
+def summarise(label: str, runs: Sequence[Any], stages: dict[str, float],
+              offload: Sequence[dict] = ()) -> dict[str, Any]:  # fmt: skip
     ms = [m for s in runs for m in s.iteration_ms]
     iterations = sum(s.iterations for s in runs)
     tokens = sum(s.new_tokens for s in runs)
@@ -148,9 +151,8 @@ def summarise(label: str, runs: Sequence[Any], stages: dict[str, float]) -> dict
         "tokens": tokens,
         "runs": len(runs),
     }
-    offload = [o for s in runs if (o := offload_stats(s)) is not None]
     if offload:
-        row["offload"] = _offload_summary(offload, iterations)
+        row["offload"] = _offload_summary(list(offload), iterations)
     if stages:
         row["stages_ms_per_iteration"] = {k: v / iterations for k, v in sorted(stages.items())}
     return row

@@ -38,6 +38,7 @@ class LastReply:
     stats: GenerationStats
     seconds: float
     first_block_s: float | None
+    offload: dict[str, float] | None = None
 
 
 @dataclass
@@ -91,7 +92,7 @@ class ChatSession:
         decoded = rt.tokenizer.decode(answer)
         write(decoded[sent:])
         self.messages += [turns[-1], {"role": "assistant", "content": decoded}]
-        self.last = LastReply(rt.last_stats, time.perf_counter() - t0, first)
+        self.last = LastReply(rt.last_stats, time.perf_counter() - t0, first, offload_stats(rt))
         return decoded
 
 
@@ -103,7 +104,7 @@ def stats_lines(last: LastReply | None) -> list[str]:
     ms = s.iteration_ms or [0.0]
     p90 = statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else ms[0]
     first = f"{1000 * last.first_block_s:.0f} ms" if last.first_block_s is not None else "n/a"
-    off = offload_stats(s) or {}
+    off = last.offload or {}
     return [
         f"prompt {s.prompt_tokens} tokens; reply {s.new_tokens} tokens in {s.iterations} forwards, "
         f"{s.tokens_per_forward:.2f} tokens/forward, finish: {s.stopped}",

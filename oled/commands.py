@@ -116,7 +116,10 @@ def chat(
     err_console.print(f"[dim]loaded {rt.checkpoint.path} on {rt.device} "
                       f"in {time.perf_counter() - t0:.1f} s[/dim]")  # fmt: skip
     setup_readline()
-    run_chat(ChatSession(runtime=rt, decode=spec.decode, system=system))
+    try:
+        run_chat(ChatSession(runtime=rt, decode=spec.decode, system=system))
+    finally:
+        getattr(rt, "close", lambda: None)()
 
 
 def env(
@@ -181,7 +184,7 @@ def bench(
     paths = [*(recipes or []), *([recipe] if recipe else [])]
     name = model.split(":", 1)[1] if model.startswith("builtin:") else Path(model).name
     specs = [(p.stem, spec_of(model, device, dtype, p, None)) for p in paths] or [
-        (name if cache_size is None else f"{name} cache {cache_size}",
+        (name if cache_size is None else f"{name} cache={cache_size}",
          spec_of(model, device, dtype, None, cache_size))
     ]  # fmt: skip
     for _, spec in specs:
@@ -196,10 +199,11 @@ def bench(
         err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed runs, "
                           f"prompt {cfg.prompt_length}, {cfg.gen_length} tokens[/dim]")  # fmt: skip
         rows.append(b.bench_runtime(rt, cfg, label))
+        getattr(rt, "close", lambda: None)()
         del rt
         gc.collect()
     rows = b.with_ratios(rows)
-    out = Console(highlight=False, soft_wrap=True)
+    out = Console(highlight=False, width=max(140, Console().width))
     out.print(b.table(rows))
     if any("stages_ms_per_iteration" in r for r in rows):
         out.print(b.stage_table(rows))

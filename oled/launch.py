@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oled.decoding import DecodeConfig, GenerationStats
+from oled.decoding import DecodeConfig
 from oled.runtime import Runtime, load_runtime
 
 
@@ -64,27 +64,34 @@ def build(spec: RuntimeSpec) -> Runtime:
         if spec.cache_size < 1:
             raise ValueError("--cache-size must be at least 1 expert slot per layer")
         build_runtime = _optional("oled.runtime", "build_runtime", "--cache-size")
+        from oled.model.config import ModelConfig
+        from oled.offload.budget import Budget
+        from oled.runtime import resolve_model
+
+        layers = ModelConfig.from_json(resolve_model(spec.model)).num_moe_layers
+        budget = Budget(kind="expert_budget", value=spec.cache_size * layers)
         return build_runtime(
-            spec.model, device=spec.device, dtype=spec.dtype, decode=spec.decode,
-            cache_size=spec.cache_size,
+            model=spec.model, device=spec.device, dtype=spec.dtype, decode=spec.decode,
+            budget=budget,
         )  # fmt: skip
     return load_runtime(spec.model, device=spec.device, dtype=spec.dtype, decode=spec.decode)
 
 
-def offload_stats(stats: GenerationStats) -> dict[str, Any] | None:
-    """The offload engine's figures for one generation, or None when all experts are resident."""
-    found = getattr(stats, "offload", None)
-    if found is None:
-        found = stats.to_dict().get("offload")
-    if found is None:
+OFFLOAD_KEYS = ("hit_rate", "hits", "misses", "copies", "copy_bytes", "cpu_experts",
+                "gpu_experts", "cpu_share", "stall_ms")  # fmt: skip
+
+
+def offload_stats(rt: Runtime) -> dict[str, float] | None:
+    """The offload engine's figures for the last generation; None when all experts are resident."""
+    metrics = getattr(rt.executor, "metrics", None)
+    if metrics is None:
         return None
-    if hasattr(found, "to_dict"):
-        found = found.to_dict()
-    return dict(found) if isinstance(found, dict) else None
+    summary = metrics.summary()
+    return {k: float(summary[k]) for k in OFFLOAD_KEYS if k in summary}
 
 
-def stats_dict(stats: GenerationStats) -> dict[str, Any]:
-    """Per-generation figures without the per-iteration list (for reports and the API)."""
-    out = {k: v for k, v in stats.to_dict().items() if k != "iteration_ms"}
-    out["offload"] = offload_stats(stats)
+def stats_dict(rt: Runtime) -> dict[str, Any]:
+    """The last generation's figures without per-iteration lists (for reports and the API)."""
+    out = {k: v for k, v in rt.last_stats.to_dict().items() if k != "iteration_ms"}
+    out["offload"] = offload_stats(rt)
     return out

@@ -102,6 +102,9 @@ class Engine:
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        close = getattr(self.runtime, "close", None)
+        if close is not None:
+            close()
 
     def require_ready(self) -> Runtime:
         if self.state == "ready" and self.runtime is not None:
@@ -167,7 +170,7 @@ class Engine:
                     break
         if tail := text.flush():
             job.emit(Piece(tail))
-        stats = stats_dict(rt.last_stats)
+        stats = stats_dict(rt)
         finish = "stop" if text.stopped else rt.last_stats.stopped
         return Done(finish, len(job.prompt_ids), len(text.ids), stats)
 

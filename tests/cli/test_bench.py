@@ -28,12 +28,14 @@ def test_bench_tiny_writes_a_report(tiny_dir, tmp_path):
 
 
 def test_offload_columns_and_ratios():
-    def stats(ms, hit):
+    def stats(ms):
         return SimpleNamespace(iteration_ms=ms, iterations=len(ms), new_tokens=len(ms),
-                               seconds=sum(ms) / 1000, offload={"hit_rate": hit, "copies": 4})  # fmt: skip
+                               seconds=sum(ms) / 1000)  # fmt: skip
 
-    rows = bench.with_ratios([bench.summarise("resident", [stats([10.0, 12.0], 1.0)], {}),
-                              bench.summarise("half", [stats([20.0, 24.0], 0.5)], {})])  # fmt: skip
+    def row(label, ms, hit):
+        return bench.summarise(label, [stats(ms)], {}, [{"hit_rate": hit, "copies": 4.0}])
+
+    rows = bench.with_ratios([row("resident", [10.0, 12.0], 1.0), row("half", [20.0, 24.0], 0.5)])
     assert rows[1]["ms_ratio_to_first"] == 2.0
     assert rows[1]["offload"] == {"hit_rate": 0.5, "copies_per_iteration": 2.0}
     from rich.console import Console
@@ -51,6 +53,15 @@ def test_random_prompt_is_seeded(tiny_dir):
     a = bench.random_prompt(rt, 512, 0)
     assert a == bench.random_prompt(rt, 512, 0) != bench.random_prompt(rt, 512, 1)
     assert len(a) == 512 and rt.tokenizer.mask_id not in a
+
+
+def test_bench_with_an_expert_cache_shows_offload_columns(tiny_dir):
+    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
+            "--cache-size", "8", "--gen-length", "8", "--block-length", "8",
+            "--prompt-length", "20", "--runs", "1", "--warmup-runs", "0"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "cache=8" in result.output and "hit rate" in result.output and "%" in result.output
 
 
 def test_flags_that_need_missing_features_fail_clearly(tiny_dir, tmp_path):
