@@ -152,9 +152,11 @@ def model_info(model: Annotated[str, typer.Argument(help="Checkpoint directory o
 
 
 def _register_commands() -> None:
+    from oled import commands as using
     from oled.experiment import commands as experiment
     from oled.trace import commands as trace
 
+    using.register(app)
     experiment.register(app)
     trace.register(app)
 

@@ -1,0 +1,242 @@
+"""`oled bench`: milliseconds per iteration, tokens/s and offload figures, side by side.
+
+Workload (DESIGN.md section 7): a seeded random prompt (512 tokens by default), `gen_length`
+generated tokens in blocks of `block_length`, batch 1; warm-up runs, then timed runs; median and
+p90 over every timed iteration. With several recipes every configuration runs in this one
+process and the table gives each one's ratio to the first.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oled.decoding import DecodeObserver
+from oled.launch import offload_stats
+from oled.runtime import Runtime
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    gen_length: int = 256
+    block_length: int = 32
+    threshold: float = 0.95
+    prompt_length: int = 512
+    warmup_runs: int = 1
+    runs: int = 3
+    seed: int = 0
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.gen_length, self.block_length, self.prompt_length, self.runs) < 1:
+            raise ValueError("gen/block/prompt length and runs must be at least 1")
+        if self.warmup_runs < 0:
+            raise ValueError("warmup runs must be >= 0")
+
+
+def random_prompt(rt: Runtime, length: int, seed: int) -> list[int]:
+    """Seeded random token ids, special tokens excluded."""
+    tok = rt.tokenizer
+    specials = {tok.mask_id, tok.eos_id, *tok.stop_ids}
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, rt.config.vocab_size, (length * 2,), generator=gen).tolist()
+    ids = [i for i in ids if i not in specials][:length]
+    if len(ids) < length:
+        raise ValueError("could not draw a random prompt of that length")
+    return ids
+
+
+class StageProfiler(DecodeObserver):
+    """CUDA events around each forward and its stages (attention, MoE / MLP, LM head)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.pending: list[tuple[str, Any, Any]] = []
+        self.handles = []
+        self._open: dict[int, Any] = {}
+        self._iteration = None
+        for name, module in self._stages(rt.model):
+            self.handles.append(module.register_forward_pre_hook(self._pre))
+            self.handles.append(module.register_forward_hook(self._post(name)))
+
+    @staticmethod
+    def _stages(model) -> list[tuple[str, torch.nn.Module]]:
+        out = [("embedding", model.model.word_embeddings), ("lm_head", model.lm_head)]
+        for layer in model.model.layers:
+            out.append(("attention", layer.attention))
+            kind = "moe" if hasattr(layer.mlp, "gate") else "dense_mlp"
+            out.append((kind, layer.mlp))
+        return out
+
+    def _event(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _pre(self, module, _inputs) -> None:
+        self._open[id(module)] = self._event()
+
+    def _post(self, name: str) -> Callable:
+        def hook(module, _inputs, _output) -> None:
+            self.pending.append((name, self._open.pop(id(module)), self._event()))
+
+        return hook
+
+    def on_iteration_start(self, block: int, iteration: int, step: int) -> None:
+        self._iteration = self._event()
+
+    def on_iteration(self, info) -> None:
+        self.pending.append(("iteration", self._iteration, self._event()))
+
+    def close(self) -> dict[str, float]:
+        """Total milliseconds per stage."""
+        for handle in self.handles:
+            handle.remove()
+        torch.cuda.synchronize()
+        totals: dict[str, float] = {}
+        for name, start, end in self.pending:
+            totals[name] = totals.get(name, 0.0) + start.elapsed_time(end)
+        return totals
+
+
+def run_once(rt: Runtime, prompt: list[int], decode, observers=()) -> tuple[Any, dict | None]:
+    """One generation: its decoding statistics and the offload engine's figures."""
+    for _ in rt.stream(prompt, decode=decode, observers=observers):
+        pass
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    return rt.last_stats, offload_stats(rt)
+
+
+def bench_runtime(rt: Runtime, cfg: BenchConfig, label: str) -> dict[str, Any]:
+    """One configuration: warm-up, timed runs, one row of figures."""
+    decode = replace(rt.decode, block_length=cfg.block_length, threshold=cfg.threshold,
+                     max_new_tokens=cfg.gen_length, use_cache=True)  # fmt: skip
+    prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
+    for _ in range(cfg.warmup_runs):
+        run_once(rt, prompt, decode)
+    profiling = cfg.profile and rt.device.type == "cuda"
+    runs, offload, stages = [], [], {}
+    for _ in range(cfg.runs):
+        profiler = StageProfiler(rt) if profiling else None
+        stats, off = run_once(rt, prompt, decode, [profiler] if profiler else ())
+        runs.append(stats)
+        offload += [off] if off is not None else []
+        for name, ms in (profiler.close() if profiler else {}).items():
+            stages[name] = stages.get(name, 0.0) + ms
+    return summarise(label, runs, stages, offload)
+
+
+def summarise(label: str, runs: Sequence[Any], stages: dict[str, float],
+              offload: Sequence[dict] = ()) -> dict[str, Any]:  # fmt: skip
+    ms = [m for s in runs for m in s.iteration_ms]
+    iterations = sum(s.iterations for s in runs)
+    tokens = sum(s.new_tokens for s in runs)
+    seconds = sum(s.seconds for s in runs)
+    row: dict[str, Any] = {
+        "label": label,
+        "ms_per_iteration_median": statistics.median(ms),
+        "ms_per_iteration_p90": _p90(ms),
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "tokens_per_forward": tokens / iterations if iterations else 0.0,
+        "iterations": iterations,
+        "tokens": tokens,
+        "runs": len(runs),
+    }
+    if offload:
+        row["offload"] = _offload_summary(list(offload), iterations)
+    if stages:
+        row["stages_ms_per_iteration"] = {k: v / iterations for k, v in sorted(stages.items())}
+    return row
+
+
+def _p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+
+
+def _offload_summary(per_run: list[dict], iterations: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    rates = [float(o["hit_rate"]) for o in per_run if "hit_rate" in o]
+    if rates:
+        out["hit_rate"] = statistics.fmean(rates)
+    for key in ("copies", "copy_bytes", "cpu_experts"):
+        values = [float(o[key]) for o in per_run if key in o]
+        if values and iterations:
+            out[f"{key}_per_iteration"] = sum(values) / iterations
+    return out
+
+
+def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    base = rows[0]["ms_per_iteration_median"] if rows else 0.0
+    for row in rows:
+        row["ms_ratio_to_first"] = row["ms_per_iteration_median"] / base if base else 0.0
+    return rows
+
+
+def machine() -> dict[str, str]:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "gpu": gpu,
+            "platform": platform.platform()}  # fmt: skip
+
+
+def write_report(report_dir: Path, cfg: BenchConfig, rows: list[dict], device: str) -> Path:
+    report_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = report_dir / f"bench-{stamp}.json"
+    body = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": sys.argv,
+            "machine": machine(), "device": device, "config": asdict(cfg), "rows": rows}  # fmt: skip
+    path.write_text(json.dumps(body, indent=2) + "\n")
+    return path
+
+
+def table(rows: list[dict[str, Any]]):
+    """A rich table: latency first, then throughput, ratios and offload columns when present."""
+    from rich.table import Table
+
+    m = machine()
+    caption = f"{m['gpu'] if m['gpu'] != 'none' else platform.processor() or 'cpu'}, torch {m['torch']}, {time.strftime('%Y-%m-%d')}"
+    out = Table(show_edge=False, header_style="bold", caption=caption)
+    cols = ["config", "ms/iter p50", "ms/iter p90", "tokens/s", "tokens/fwd"]
+    ratios = len(rows) > 1
+    offload = any("offload" in r for r in rows)
+    cols += ["ms vs 1st"] * ratios
+    cols += ["hit rate", "copies/it", "copy MB/it", "CPU exp/it"] * offload
+    for col in cols:
+        out.add_column(col, justify="left" if col == "config" else "right")
+    for r in rows:
+        cells = [r["label"], f"{r['ms_per_iteration_median']:.2f}",
+                 f"{r['ms_per_iteration_p90']:.2f}", f"{r['tokens_per_second']:.1f}",
+                 f"{r['tokens_per_forward']:.2f}"]  # fmt: skip
+        cells += [f"{r['ms_ratio_to_first']:.2f}x"] * ratios
+        if offload:
+            o = r.get("offload", {})
+            cells += [_fmt(o.get("hit_rate"), "{:.1%}"), _fmt(o.get("copies_per_iteration")),
+                      _fmt(o.get("copy_bytes_per_iteration"), "{:.1f}", 1e-6),
+                      _fmt(o.get("cpu_experts_per_iteration"))]  # fmt: skip
+        out.add_row(*cells)
+    return out
+
+
+def stage_table(rows: list[dict[str, Any]]):
+    from rich.table import Table
+
+    names = sorted({k for r in rows for k in r.get("stages_ms_per_iteration", {})})
+    out = Table(show_edge=False, header_style="bold", title="ms per iteration by stage")
+    for col in ["config", *names]:
+        out.add_column(col, justify="left" if col == "config" else "right")
+    for r in rows:
+        stages = r.get("stages_ms_per_iteration", {})
+        out.add_row(r["label"], *(_fmt(stages.get(n), "{:.3f}") for n in names))
+    return out
+
+
+def _fmt(value: float | None, pattern: str = "{:.1f}", scale: float = 1.0) -> str:
+    return "n/a" if value is None else pattern.format(value * scale)

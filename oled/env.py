@@ -1,0 +1,133 @@
+"""`oled env`: what this machine offers OLED-MoE (Python, torch, CUDA, GPU, CPU, packages)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+PACKAGES = ("oled-moe", "safetensors", "tokenizers", "numpy", "pydantic", "typer",
+            "rich", "fastapi", "uvicorn", "mlflow", "optuna")  # fmt: skip
+
+
+@dataclass
+class Report:
+    """Rows of (key, value) plus the requirements that failed."""
+
+    rows: list[tuple[str, str]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, key: str, value: object) -> None:
+        self.rows.append((key, str(value)))
+
+    def as_dict(self) -> dict:
+        return {"rows": dict(self.rows), "failures": list(self.failures)}
+
+
+def cpuinfo_field(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The first `name : value` of /proc/cpuinfo (Linux), None when unknown."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU feature flags (Linux), empty when unknown."""
+    return set((cpuinfo_field("flags", cpuinfo) or "").split())
+
+
+def cpu_rows(report: Report) -> None:
+    import torch
+
+    flags = cpu_flags()
+    amx = [f for f in ("amx_bf16", "amx_tile", "amx_int8") if f in flags]
+    report.add("CPU", cpuinfo_field("model name") or platform.machine())
+    report.add("CPU cores (visible)", len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())  # fmt: skip
+    report.add("torch threads", torch.get_num_threads())
+    report.add("AMX", ", ".join(amx) if amx else ("no" if flags else "unknown"))
+    report.add("AVX-512", "yes" if "avx512f" in flags else ("no" if flags else "unknown"))
+
+
+def cuda_rows(report: Report, *, bandwidth: bool) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        report.add("CUDA", f"not available (this torch is {build})")
+        return
+    report.add("CUDA (torch build)", torch.version.cuda)
+    report.add("driver", driver_version())
+    for i in range(torch.cuda.device_count()):
+        prop = torch.cuda.get_device_properties(i)
+        report.add(f"GPU {i}", f"{prop.name}, {prop.total_memory / 2**30:.1f} GiB, "
+                               f"compute {prop.major}.{prop.minor}")  # fmt: skip
+    if bandwidth:
+        gbps = pinned_copy_bandwidth()
+        report.add("host->GPU copy, pinned, 64 MiB", f"{gbps:.1f} GB/s")
+
+
+def driver_version() -> str:
+    try:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int()
+        lib.cuDriverGetVersion(ctypes.byref(version))
+        v = version.value
+        return f"CUDA {v // 1000}.{v % 1000 // 10} (driver API)"
+    except OSError:
+        return "unknown"
+
+
+def pinned_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """GB/s of a pinned host -> GPU copy (best of `repeats`)."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def package_rows(report: Report) -> None:
+    for name in PACKAGES:
+        try:
+            report.add(name, metadata.version(name))
+        except metadata.PackageNotFoundError:
+            report.add(name, "not installed")
+
+
+def collect(*, require_cuda: bool = False, bandwidth: bool = True) -> Report:
+    """The environment report; `failures` lists the requirements that are not met."""
+    import torch
+
+    report = Report()
+    report.add("Python", f"{sys.version.split()[0]} ({sys.executable})")
+    report.add("platform", platform.platform())
+    report.add("torch", torch.__version__)
+    cuda_rows(report, bandwidth=bandwidth)
+    cpu_rows(report)
+    package_rows(report)
+    if require_cuda and not torch.cuda.is_available():
+        build = torch.version.cuda
+        why = f"this torch ({torch.__version__}) is a CPU-only build" if build is None else (
+            f"torch is built for CUDA {build} but sees no GPU (driver, CUDA_VISIBLE_DEVICES?)")  # fmt: skip
+        report.failures.append(f"CUDA is required but not available: {why}")
+    return report

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: protocol (pydantic), engine (one decoding worker), app (routes)."""

@@ -1,0 +1,344 @@
+"""FastAPI routes of the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from oled.serve import protocol as p
+from oled.serve.engine import Done, Engine, Event, Failed, Job, Piece, RequestError, decode_config
+
+MAX_BODY = 4 << 20
+POLL_S = 0.25
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
+M = TypeVar("M", bound=BaseModel)
+
+
+def error_response(status: int, message: str, kind: str, param=None, code=None) -> JSONResponse:
+    body = p.ErrorResponse(error=p.ErrorBody(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def error_of(err: RequestError) -> JSONResponse:
+    return error_response(err.status, err.message, err.kind, err.param, err.code)
+
+
+def sse(payload: BaseModel | dict | str) -> str:
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json(exclude_none=False)
+    elif isinstance(payload, dict):
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"
+
+
+class CountRequests:
+    """ASGI middleware: count responses by route and status without touching the body."""
+
+    def __init__(self, app, metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+                self.metrics.inc("oled_http_requests_total", route=path, status=status)
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body validated against `model`; RequestError (400/415/413) otherwise."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise RequestError(415, "Content-Type must be application/json", code="bad_content_type")
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise RequestError(413, f"body larger than {MAX_BODY} bytes", code="body_too_large")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise RequestError(400, "the body is not valid JSON", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        param = ".".join(str(x) for x in first["loc"]) or None
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+        raise RequestError(400, message, param=param, code="invalid_value") from None
+
+
+class Server:
+    """Request handling shared by the routes."""
+
+    def __init__(self, engine: Engine, *, model_name: str, default_max_tokens: int,
+                 max_tokens: int, api_key: str | None) -> None:  # fmt: skip
+        self.engine = engine
+        self.max_tokens = max_tokens
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.api_key = api_key
+
+    def authorize(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise RequestError(401, "invalid or missing API key", code="invalid_api_key")
+
+    def make_job(self, req: p.SamplingParams, prompt_ids: list[int]) -> Job:
+        """Check the request against the loaded model and queue it."""
+        rt = self.engine.require_ready()
+        if req.model != self.model_name:
+            raise RequestError(404, f"the model {req.model!r} does not exist; this server has "
+                               f"{self.model_name!r}", param="model", code="model_not_found")  # fmt: skip
+        wanted = req.wanted_tokens() or min(self.default_max_tokens, self.max_tokens)
+        if wanted > self.max_tokens:
+            raise RequestError(400, f"max_tokens is {wanted}; this server allows at most "
+                               f"{self.max_tokens}", param="max_tokens", code="invalid_value")  # fmt: skip
+        try:
+            decode = decode_config(
+                rt.decode, max_new_tokens=wanted,
+                block_length=req.block_length, threshold=req.threshold,
+                temperature=req.temperature, seed=req.seed,
+            )  # fmt: skip
+        except ValueError as err:
+            raise RequestError(400, str(err), code="invalid_value") from None
+        check_length(prompt_ids, decode, rt.config.max_position_embeddings)
+        job = Job(prompt_ids, decode, asyncio.get_running_loop(), stops=req.stop or [])
+        return self.engine.submit(job)
+
+    async def events(self, job: Job, request: Request) -> AsyncIterator[Event]:
+        """The job's events; cancels the generation when the client goes away."""
+        try:
+            while not job.finished:
+                try:
+                    yield await asyncio.wait_for(job.next_event(), POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+        finally:
+            if not job.finished:
+                job.cancel.set()
+                self.engine.metrics.inc("oled_client_disconnects_total")
+
+
+def check_length(prompt_ids: list[int], decode, limit: int) -> None:
+    if not prompt_ids:
+        raise RequestError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    bl = decode.block_length
+    first = (len(prompt_ids) // bl) * bl
+    need = first + -(-(len(prompt_ids) + decode.max_new_tokens - first) // bl) * bl
+    if need > limit:
+        raise RequestError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+                           f"({decode.max_new_tokens}) need {need} positions; the model allows "
+                           f"{limit}", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+
+
+def usage(done: Done) -> p.Usage:
+    return p.Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+                   total_tokens=done.prompt_tokens + done.completion_tokens)  # fmt: skip
+
+
+def finish(done: Done) -> str:
+    return "stop" if done.finish_reason == "stop" else "length"
+
+
+def failure_event(failed: Failed) -> str:
+    return sse({"error": {"message": failed.message, "type": "server_error", "param": None,
+                          "code": "generation_failed"}})  # fmt: skip
+
+
+def chat_prompt(server: Server, req: p.ChatCompletionRequest) -> list[int]:
+    rt = server.engine.require_ready()
+    roles = {"developer": "system"}
+    messages = [{"role": roles.get(m.role, m.role), "content": m.text()} for m in req.messages]
+    return rt.tokenizer.encode(rt.tokenizer.render_chat(messages))
+
+
+def completion_prompt(server: Server, req: p.CompletionRequest) -> list[int]:
+    rt = server.engine.require_ready()
+    if isinstance(req.prompt, str):
+        return rt.tokenizer.encode(req.prompt)
+    vocab = rt.config.vocab_size
+    if any(not 0 <= t < vocab for t in req.prompt):
+        raise RequestError(400, f"prompt token ids must be in [0, {vocab})", param="prompt",
+                           code="invalid_value")  # fmt: skip
+    return list(req.prompt)
+
+
+async def chat_completions(server: Server, request: Request) -> Response:
+    server.authorize(request)
+    req = await parse_body(request, p.ChatCompletionRequest)
+    job = server.make_job(req, chat_prompt(server, req))
+    meta = {"id": p.new_id("chatcmpl"), "created": p.now(), "model": server.model_name}
+    if req.stream:
+        return streaming(chat_chunks(server, job, request, req, meta))
+    text, end = await collect(server, job, request)
+    if isinstance(end, Failed):
+        return error_response(500, end.message, "server_error", code="generation_failed")
+    choice = p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=finish(end))
+    body = p.ChatCompletion(**meta, choices=[choice], usage=usage(end), oled=end.stats)
+    return JSONResponse(body.model_dump())
+
+
+async def chat_chunks(server, job, request, req, meta) -> AsyncIterator[str]:
+    def chunk(delta: p.Delta, reason=None, **extra) -> str:
+        choice = p.ChunkChoice(delta=delta, finish_reason=reason)
+        return sse(p.ChatCompletionChunk(**meta, choices=[choice], **extra))
+
+    yield chunk(p.Delta(role="assistant", content=""))
+    async with contextlib.aclosing(server.events(job, request)) as events:
+        async for event in events:
+            if isinstance(event, Piece):
+                yield chunk(p.Delta(content=event.text))
+            elif isinstance(event, Failed):
+                yield failure_event(event)
+                return
+            elif isinstance(event, Done):
+                yield chunk(p.Delta(), finish(event), oled=event.stats)
+                if req.include_usage:
+                    yield sse(p.ChatCompletionChunk(**meta, choices=[], usage=usage(event)))
+                yield "data: [DONE]\n\n"
+
+
+async def completions(server: Server, request: Request) -> Response:
+    server.authorize(request)
+    req = await parse_body(request, p.CompletionRequest)
+    ids = completion_prompt(server, req)
+    job = server.make_job(req, ids)
+    meta = {"id": p.new_id("cmpl"), "created": p.now(), "model": server.model_name}
+    echo = server.engine.runtime.tokenizer.decode(ids) if req.echo else ""
+    if req.stream:
+        return streaming(text_chunks(server, job, request, req, meta, echo))
+    text, end = await collect(server, job, request)
+    if isinstance(end, Failed):
+        return error_response(500, end.message, "server_error", code="generation_failed")
+    choice = p.TextChoice(text=echo + text, finish_reason=finish(end))
+    body = p.Completion(**meta, choices=[choice], usage=usage(end), oled=end.stats)
+    return JSONResponse(body.model_dump())
+
+
+async def text_chunks(server, job, request, req, meta, echo: str) -> AsyncIterator[str]:
+    def chunk(text: str, reason=None, **extra) -> str:
+        choice = p.TextChoice(text=text, finish_reason=reason)
+        return sse(p.Completion(**meta, choices=[choice], **extra))
+
+    if echo:
+        yield chunk(echo)
+    async with contextlib.aclosing(server.events(job, request)) as events:
+        async for event in events:
+            if isinstance(event, Piece):
+                yield chunk(event.text)
+            elif isinstance(event, Failed):
+                yield failure_event(event)
+                return
+            elif isinstance(event, Done):
+                yield chunk("", finish(event), oled=event.stats)
+                if req.include_usage:
+                    yield sse(p.Completion(**meta, choices=[], usage=usage(event)))
+                yield "data: [DONE]\n\n"
+
+
+async def collect(server: Server, job: Job, request: Request) -> tuple[str, Done | Failed]:
+    parts: list[str] = []
+    async with contextlib.aclosing(server.events(job, request)) as events:
+        async for event in events:
+            if isinstance(event, Piece):
+                parts.append(event.text)
+            else:
+                return "".join(parts), event
+    return "".join(parts), Failed("the client went away")
+
+
+def streaming(chunks: AsyncIterator[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+
+
+def create_app(engine: Engine, *, model_name: str, default_max_tokens: int = 256,
+               max_tokens: int = 4096, api_key: str | None = None) -> FastAPI:  # fmt: skip
+    """The ASGI app; starting it starts the engine (which loads the model in the background)."""
+    server = Server(engine, model_name=model_name, default_max_tokens=default_max_tokens,
+                    max_tokens=max_tokens, api_key=api_key)  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="OLED-MoE", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
+    app.state.server = server
+    add_error_handlers(app)
+    add_routes(app, server)
+    app.add_middleware(CountRequests, metrics=engine.metrics)
+    return app
+
+
+def add_routes(app: FastAPI, server: Server) -> None:
+    engine = server.engine
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body: dict[str, Any] = {"status": engine.state, "model": server.model_name}
+        if engine.error:
+            body["error"] = engine.error
+        return JSONResponse(body, status_code=200 if engine.state == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        engine.metrics.set("oled_model_ready", float(engine.state == "ready"))
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        server.authorize(request)
+        card = p.ModelCard(id=server.model_name, created=p.now())
+        return JSONResponse(p.ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await chat_completions(server, request)
+
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> Response:
+        return await completions(server, request)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def request_error(_request: Request, err: RequestError) -> JSONResponse:
+        return error_of(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        return error_response(err.status_code, str(err.detail), "invalid_request_error", code=code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
+        return error_response(400, str(err.errors()[:1]), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, err: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(err).__name__}", "server_error")

@@ -1,0 +1,89 @@
+"""`oled chat` in a real terminal (pexpect): streaming, commands, Ctrl+C and Ctrl+D."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+
+PROMPT = ">>> "
+ROOT = Path(__file__).parents[2]
+
+
+def spawn(model: Path, tmp_path: Path, *args: str) -> pexpect.spawn:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OLED_HOME": str(tmp_path), "TERM": "dumb"}
+    cmd = ["-m", "oled.cli", "chat", "--model", str(model), "--device", "cpu", "--dtype",
+           "float32", *args]  # fmt: skip
+    child = pexpect.spawn(sys.executable, cmd, env=env, encoding="utf-8", timeout=60)
+    child.expect_exact(PROMPT)
+    return child
+
+
+def ask(child: pexpect.spawn, line: str) -> str:
+    child.sendline(line)
+    child.expect_exact(PROMPT)
+    return child.before
+
+
+def prompt_tokens(stats: str) -> int:
+    return int(re.search(r"prompt (\d+) tokens", stats).group(1))
+
+
+@pytest.fixture()
+def child(tiny_dir, tmp_path):
+    proc = spawn(tiny_dir, tmp_path, "--block-length", "8", "--max-tokens", "8")
+    yield proc
+    proc.close(force=True)
+
+
+def test_conversation_and_commands(child):
+    assert "/stats" in ask(child, "/help")
+    assert "no reply yet" in ask(child, "/stats")
+    first = ask(child, "Hello there")
+    assert first.strip().splitlines()[-1].strip()  # the answer was printed
+    stats = ask(child, "/stats")
+    assert "reply 8 tokens" in stats and "tokens/forward" in stats and "ms/iteration" in stats
+    assert "hit rate n/a" in stats and "copies n/a" in stats
+    one = prompt_tokens(stats)
+    ask(child, "And again")
+    two = prompt_tokens(ask(child, "/stats"))
+    assert two > one + 8  # the conversation is kept
+    assert "conversation cleared" in ask(child, "/clear")
+    ask(child, "Hello there")
+    assert prompt_tokens(ask(child, "/stats")) == one
+    assert "max_tokens = 3" in ask(child, "/set max_tokens=3")
+    assert "error" in ask(child, "/set threshold=2")
+    assert "error" in ask(child, "/set colour=blue")
+    assert "threshold=0.95" in ask(child, "/set")
+    ask(child, "Short")
+    assert "reply 3 tokens" in ask(child, "/stats")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+
+
+def test_ctrl_c_stops_a_reply_and_ctrl_d_leaves(tiny_dir, tmp_path):
+    child = spawn(tiny_dir, tmp_path, "--max-tokens", "3000", "--threshold", "1.0",
+                  "--block-length", "8")  # fmt: skip
+    try:
+        child.sendline("Tell me a long story")
+        child.expect_exact("Tell me a long story\r\n")  # the terminal's echo
+        child.expect(r"\S{4,}")  # the first blocks stream in while the reply goes on
+        child.sendintr()
+        child.expect_exact("[stopped]")
+        child.expect_exact(PROMPT)
+        stats = ask(child, "/stats")
+        assert "finish: cancelled" in stats
+        assert int(re.search(r"reply (\d+) tokens", stats).group(1)) < 3000
+        child.sendintr()  # at the prompt: a fresh line, still running
+        child.expect_exact(PROMPT)
+        assert "commands" in ask(child, "/help")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0
+    finally:
+        child.close(force=True)

@@ -1,0 +1,42 @@
+"""`oled env`: the report, AMX detection, and --require-cuda failing clearly without a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from oled.cli import app
+from oled.env import collect, cpu_flags
+
+runner = CliRunner()
+
+
+def test_report_rows():
+    rows = dict(collect(bandwidth=False).rows)
+    assert rows["torch"] == torch.__version__
+    assert {"Python", "CUDA" if not torch.cuda.is_available() else "GPU 0", "AMX"} <= set(rows)
+    assert rows["pydantic"] != "not installed"
+
+
+def test_amx_flags_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 amx_bf16 amx_tile avx512f\n")
+    assert {"amx_bf16", "amx_tile"} <= cpu_flags(info)
+    assert cpu_flags(tmp_path / "missing") == set()
+
+
+def test_env_command_json():
+    result = runner.invoke(app, ["env", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "torch" in json.loads(result.stdout)["rows"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without CUDA")
+def test_require_cuda_fails_clearly_without_a_gpu():
+    result = runner.invoke(app, ["env", "--require-cuda"])
+    assert result.exit_code == 1
+    assert "CUDA is required but not available" in result.output
+    assert "CPU-only build" in result.output

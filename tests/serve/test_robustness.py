@@ -1,0 +1,202 @@
+"""Loading, disconnects, failures and malformed requests: the server stays up and answers in
+OpenAI's error shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from oled.serve.app import create_app
+from oled.serve.engine import Engine
+
+MODEL = "tiny-test"
+CHAT = "/v1/chat/completions"
+
+
+def metric(http: httpx.Client, name: str) -> float:
+    text = http.get("/metrics").text
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def assert_error(resp: httpx.Response, status: int | None = None) -> dict:
+    assert 400 <= resp.status_code < 500, (resp.status_code, resp.text)
+    if status is not None:
+        assert resp.status_code == status, resp.text
+    assert "Traceback" not in resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def test_health_is_503_while_loading(tiny_dir, start_server, loader, until):
+    gate = threading.Event()
+    app = create_app(Engine(loader(tiny_dir, gate)), model_name=MODEL)
+    with start_server(app, wait_healthy=False) as url:
+        assert httpx.get(f"{url}/health").status_code == 503
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(f"{url}{CHAT}", json=body).json()["error"]["code"] == "model_not_ready"
+        gate.set()
+        until(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "never became ready")
+        assert httpx.post(f"{url}{CHAT}", json=body).status_code == 200
+
+
+def test_client_disconnect_cancels_generation(http, until):
+    before = metric(http, 'oled_generations_total{finish_reason="cancelled"}')
+    body = {
+        "model": MODEL, "messages": [{"role": "user", "content": "Tell me everything"}],
+        "max_tokens": 3000, "threshold": 1.0, "block_length": 8, "stream": True,
+    }  # fmt: skip
+    with http.stream("POST", CHAT, json=body) as resp:
+        assert resp.status_code == 200
+        seen = 0
+        for line in resp.iter_lines():
+            seen += '"content":"' in line and '"content":""' not in line
+            if seen >= 2:
+                break  # leave mid-stream: closing the response drops the connection
+    started = time.monotonic()
+    until(
+        lambda: metric(http, 'oled_generations_total{finish_reason="cancelled"}') > before,
+        20, "the generation was not cancelled",
+    )  # fmt: skip
+    assert time.monotonic() - started < 20
+    assert metric(http, "oled_client_disconnects_total") >= 1
+    assert http.get("/health").status_code == 200
+    quick = http.post(CHAT, json={"model": MODEL, "messages": body["messages"], "max_tokens": 2})
+    assert quick.status_code == 200
+
+
+def test_failure_mid_stream_is_an_sse_error(engine, client, http, monkeypatch):
+    real = engine.runtime.stream
+
+    def broken(*args, **kwargs):
+        blocks = real(*args, **kwargs)
+        yield next(blocks)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runtime, "stream", broken)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=40, stream=True,
+        extra_body={"block_length": 4},
+    )  # fmt: skip
+    with pytest.raises(openai.APIError, match="device lost"):
+        for _ in stream:
+            pass
+    monkeypatch.setattr(engine.runtime, "stream", real)
+    assert http.get("/health").status_code == 200
+    assert metric(http, 'oled_generations_total{finish_reason="error"}') >= 1
+
+
+def test_errors_have_the_openai_shape(http):
+    assert assert_error(http.get("/v1/nothing"), 404)["code"] == "not_found"
+    assert_error(http.post(CHAT, content=b"{", headers={"Content-Type": "application/json"}), 400)
+    assert_error(http.post(CHAT, content=b'{"model": "x"}', headers={"Content-Type": "text/plain"}))
+    assert_error(httpx.get(str(http.base_url.join("/v1/models"))), 401)
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "x " * 3000}],
+            "max_tokens": 3000}  # fmt: skip
+    assert assert_error(http.post(CHAT, json=long), 400)["code"] == "context_length_exceeded"
+    assert http.get("/health").status_code == 200
+
+
+def malformed_bodies(n: int, seed: int = 0) -> list[tuple[bytes, str]]:
+    """Seeded bad requests: wrong types, missing fields, huge numbers, non-JSON, wrong types."""
+    rng = random.Random(seed)
+    good = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    junk = [None, True, -1, 0, 10**30, 1e308, -1e-9, "", "x" * 50, [], {}, [1, "a"], {"a": 1},
+            float("nan"), "NaN", 2**63]  # fmt: skip
+    fields = ["model", "messages", "max_tokens", "temperature", "stream", "stream_options",
+              "block_length", "threshold", "seed", "stop", "n", "max_completion_tokens"]  # fmt: skip
+    cases: list[tuple[bytes, str]] = []
+    raw = [b"", b"not json", b"[1, 2]", b'"text"', b"{'model': 1}", b"\xff\xfe", b"{" * 5000,
+           b"null", b'{"model": "tiny-test", "messages": [', b"1" * 5000]  # fmt: skip
+    cases += [(r, "application/json") for r in raw]
+    cases += [(json.dumps(good).encode(), ct) for ct in ("text/plain", "", "application/xml")]
+    while len(cases) < n:
+        body = json.loads(json.dumps(good))
+        key = rng.choice(fields)
+        if rng.random() < 0.2:
+            body.pop(rng.choice(["model", "messages"]))
+        elif key == "messages":
+            body["messages"] = rng.choice(
+                [[], [{"role": "robot", "content": "x"}], [{"content": "x"}], [{"role": "user",
+                 "content": 5}], ["hi"], [{"role": "user", "content": [{"type": "image"}]}]]
+            )  # fmt: skip
+        else:
+            value = rng.choice(junk)
+            if value == "" and key == "stream":
+                value = "yes"
+            body[key] = value
+        if _valid(body):
+            continue
+        cases.append((json.dumps(body, allow_nan=True).encode(), "application/json"))
+    return cases[:n]
+
+
+def _valid(body: dict) -> bool:
+    """Bodies the seeded generator may produce that are in fact acceptable."""
+    from pydantic import ValidationError
+
+    from oled.serve.protocol import ChatCompletionRequest
+
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except ValidationError:
+        return False
+    return req.model == MODEL and (req.wanted_tokens() or 8) <= 4000 and req.seed is None
+
+
+def test_fuzz_malformed_bodies(http):
+    for body, ctype in malformed_bodies(60):
+        headers = {"Content-Type": ctype} if ctype else {}
+        resp = http.post(CHAT, content=body, headers=headers)
+        assert_error(resp)
+        resp = http.post("/v1/completions", content=body, headers=headers)
+        assert_error(resp)
+    assert http.get("/health").status_code == 200
+
+
+def test_cli_serve_streams_to_the_openai_client(tiny_dir, tmp_path):
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    cmd = [sys.executable, "-m", "oled.cli", "serve", "--model", str(tiny_dir), "--port",
+           str(port), "--device", "cpu", "--served-model-name", "tiny", "--block-length", "8"]  # fmt: skip
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", timeout=60)
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
