@@ -24,7 +24,7 @@ from oled.offload.metrics import EngineMetrics
 from oled.offload.planner import LayerPlan, Planner, Resize
 from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, Load, StepContext
 
-HIT, COPIED, STAGED = 0, 1, 2  # rows of the per-layer expert -> slot maps
+HIT, COPIED = 0, 1  # rows of the per-layer expert -> slot maps
 
 
 class OffloadEngine(DecodeObserver):
@@ -38,13 +38,13 @@ class OffloadEngine(DecodeObserver):
         self._slot_shape = (store.w13[0].shape[1:], store.w2[0].shape[1:])
         self.w13 = [self._table(c, 0, dtype) for c in planner.capacities]
         self.w2 = [self._table(c, 1, dtype) for c in planner.capacities]
-        stage = max(1, planner.stage_capacity)
+        stage = planner.stage_capacity
         self.stage_w13, self.stage_w2 = self._table(stage, 0, dtype), self._table(stage, 1, dtype)
         layers = store.num_layers
-        self._maps_host = torch.full((layers, 3, self.num_experts), -1, dtype=torch.long)
+        self._maps_host = torch.full((layers, 2, self.num_experts), -1, dtype=torch.long)
         if self.cuda:
             self._maps_host = self._maps_host.pin_memory()
-        self._maps_dev = torch.full((layers, 3, self.num_experts), -1, device=device)
+        self._maps_dev = torch.full((layers, 2, self.num_experts), -1, device=device)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._stage_free: torch.cuda.Event | None = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu-experts")
@@ -80,7 +80,7 @@ class OffloadEngine(DecodeObserver):
         plan = self.planner.plan(layer, ids_np, w_np, self._load())
         cpu_job = self._start_cpu(layer, x, ids_np, packed[:, k:], plan)
         ready = self._copy(layer, plan)
-        maps = self._upload_maps(layer, plan)  # [3, E] on the device
+        maps = self._upload_maps(layer, plan)  # [2, E] on the device
         pairs = self._gpu_pairs(layer, x, ids, weights, maps, plan, ready)  # [T, K, H] fp32
         self._account(layer, plan, time.perf_counter() - t0)
         if cpu_job is not None:
@@ -97,64 +97,75 @@ class OffloadEngine(DecodeObserver):
         )
 
     def _upload_maps(self, layer: int, plan: LayerPlan) -> Tensor:
-        """expert -> slot for hits, for experts copied now, and for staged experts."""
-        maps = self._maps_host[layer].numpy()  # [3, E] view of pinned memory
+        """expert -> slot for hits and for experts copied into the cache now."""
+        maps = self._maps_host[layer].numpy()  # [2, E] view of pinned memory
         maps.fill(-1)
         maps[HIT] = plan.slot_of
         if len(plan.copy_experts):
             maps[COPIED, plan.copy_experts] = plan.copy_slots
             maps[HIT, plan.copy_experts] = -1
-        if len(plan.stage_experts):
-            maps[STAGED, plan.stage_experts] = plan.stage_slots
         dev = self._maps_dev[layer]
         dev.copy_(self._maps_host[layer], non_blocking=True)
         return dev
 
     def _gpu_pairs(self, layer, x, ids, weights, maps, plan, ready) -> Tensor:
+        """Hits at once; experts copied now after their copy event; staged ones in rounds."""
         pairs = expert_pairs(x, maps[HIT][ids], weights, self.w13[layer], self.w2[layer])
-        if ready is None:
-            return pairs
-        stream = torch.cuda.current_stream(self.device) if self.cuda else None
-        start = _event(stream)
-        if stream is not None:
-            stream.wait_event(ready)
-        stall_end = _event(stream)
-        if len(plan.copy_experts):
+        if ready is not None:
+            stream = torch.cuda.current_stream(self.device) if self.cuda else None
+            start = _event(stream)
+            if stream is not None:
+                stream.wait_event(ready)
+            if start is not None:
+                self._events.append((layer, start, _event(stream)))
             pairs = pairs + expert_pairs(
                 x, maps[COPIED][ids], weights, self.w13[layer], self.w2[layer]
             )
         if len(plan.stage_experts):
-            pairs = pairs + expert_pairs(
-                x, maps[STAGED][ids], weights, self.stage_w13, self.stage_w2
-            )
-            self._stage_free = _event(stream)
-        if start is not None:
-            self._events.append((layer, start, stall_end))
+            pairs = pairs + self._staged_pairs(layer, x, ids, weights, plan)
         return pairs
 
-    def _copy(self, layer: int, plan: LayerPlan) -> torch.cuda.Event | None:
-        """Launch this plan's copies on the copy stream; the event they complete, if any."""
-        n_copy, n_stage = len(plan.copy_experts), len(plan.stage_experts)
-        if not n_copy and not n_stage:
-            return None
-        stream = self.copy_stream
-        begin = _event(stream)
-        if n_copy:
-            self._launch_copies(
-                layer, plan.copy_experts, plan.copy_slots, self.w13[layer], self.w2[layer]
-            )
-        if n_stage:
-            if stream is not None and self._stage_free is not None:
-                stream.wait_event(self._stage_free)  # the previous layer's staged experts are done
-            self._launch_copies(
-                layer, plan.stage_experts, plan.stage_slots, self.stage_w13, self.stage_w2
-            )
-        done = _event(stream)
-        if begin is not None:
-            self._events.append((layer, begin, done, "copy"))
+    def _staged_pairs(self, layer, x, ids, weights, plan: LayerPlan) -> Tensor:
+        """Experts that found no cache slot, through the stage in rounds of its capacity."""
+        size = self.stage_w13.shape[0]
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        pairs = None
+        for lo in range(0, len(plan.stage_experts), size):
+            experts, slots = plan.stage_experts[lo : lo + size], plan.stage_slots[lo : lo + size]
+            begin = _event(self.copy_stream)
+            if self.copy_stream is not None and self._stage_free is not None:
+                self.copy_stream.wait_event(self._stage_free)  # earlier users of the stage done
+            self._launch_copies(layer, experts, slots, self.stage_w13, self.stage_w2)
+            copied = _event(self.copy_stream)
+            if compute is not None:
+                stall = _event(compute)
+                compute.wait_event(copied)
+                self._events += [(layer, begin, copied, "copy"), (layer, stall, _event(compute))]
+            stage_map = np.full(self.num_experts, -1, np.int64)
+            stage_map[experts] = slots
+            mapped = torch.from_numpy(stage_map).to(self.device)[ids]  # [T, K]
+            part = expert_pairs(x, mapped, weights, self.stage_w13, self.stage_w2)
+            pairs = part if pairs is None else pairs + part
+            self._stage_free = _event(compute)
+        return pairs
+
+    def _copy(self, layer: int, plan: LayerPlan) -> torch.cuda.Event | _Done | None:
+        """Launch the copies into cache slots on the copy stream; the event they complete."""
+        n_copy = len(plan.copy_experts)
         cost = self.planner.cost
         now = 1000 * time.perf_counter()
-        self._copy_busy = max(now, self._copy_busy) + float(cost.copy_ms(n_copy + n_stage))
+        n_moved = n_copy + len(plan.stage_experts)
+        if n_moved:
+            self._copy_busy = max(now, self._copy_busy) + float(cost.copy_ms(n_moved))
+        if not n_copy:
+            return None
+        begin = _event(self.copy_stream)
+        self._launch_copies(
+            layer, plan.copy_experts, plan.copy_slots, self.w13[layer], self.w2[layer]
+        )
+        done = _event(self.copy_stream)
+        if begin is not None:
+            self._events.append((layer, begin, done, "copy"))
         return done if done is not None else _CPU_DONE
 
     def _launch_copies(self, layer, experts, slots, w13: Tensor, w2: Tensor) -> None:

@@ -69,7 +69,7 @@ class LayerPlan:
     copy_experts: np.ndarray  # copies to issue now (may include refresh prefetches)
     copy_slots: np.ndarray  # their destination slots (the victims' slots are overwritten)
     stage_experts: np.ndarray  # copied into the scratch area, not cached
-    stage_slots: np.ndarray  # their scratch slots in [0, stage_capacity)
+    stage_slots: np.ndarray  # their scratch slots: expert i goes in round i // stage_capacity
     cpu_experts: np.ndarray  # computed on the CPU
     cpu_tokens: np.ndarray  # tokens routed to each CPU expert
     hits: np.ndarray
@@ -148,6 +148,8 @@ class Planner:
             )
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.total_slots = min(total_slots, num_layers * num_experts)
+        if stage_capacity < 0:
+            raise ValueError(f"stage_capacity must be >= 0, got {stage_capacity}")
         self.stage_capacity = stage_capacity
         self.allocation, self.retention, self.compensation = allocation, retention, compensation
         self.cost = cost
@@ -159,7 +161,6 @@ class Planner:
         self._reuse = [0.0] * num_layers  # EMA of overlap with the previous forward
         self._samples = [0] * num_layers
         self._prev_used = np.zeros((num_layers, num_experts), bool)
-        self._stage_slots = np.arange(stage_capacity, dtype=np.int64)
         retention.reset(num_layers=num_layers, num_experts=num_experts)
         compensation.reset(num_layers=num_layers, num_experts=num_experts)
         self.capacities = self._allocate(None)
@@ -284,17 +285,16 @@ class Planner:
             cache.place(copy_experts, copy_slots)
             ret.on_insert(layer, copy_experts)
 
-        # Overflow: needed copies go to the scratch stage, then to the CPU; prefetches drop.
-        n_stage = 0
+        # Overflow: needed copies go through the scratch stage (in rounds of stage_capacity
+        # when there are more of them than stage slots), or to the CPU when there is no stage;
+        # prefetches that found no slot drop.
+        over = _EMPTY
         if n_cache < n_want:
             over = order[n_cache:]
             over = over[used[over]]
-            n_stage = min(len(over), self.stage_capacity)
-            if n_stage < len(over):
-                cpu = np.concatenate([cpu, over[n_stage:]])
-            over = over[:n_stage]
-        else:
-            over = _EMPTY
+            if not self.stage_capacity:
+                cpu, over = np.concatenate([cpu, over]), _EMPTY
+        n_stage = len(over)
         copied = copy_experts[used[copy_experts]] if len(prefetch) else copy_experts
         gpu = np.concatenate([hits, copied]) if len(copied) else hits
         cpu_tokens = counts[cpu]
@@ -317,7 +317,7 @@ class Planner:
             copy_experts=copy_experts,
             copy_slots=copy_slots,
             stage_experts=over,
-            stage_slots=self._stage_slots[:n_stage],
+            stage_slots=np.arange(n_stage, dtype=np.int64) % max(1, self.stage_capacity),
             cpu_experts=cpu,
             cpu_tokens=cpu_tokens,
             hits=hits,

@@ -65,6 +65,8 @@ def test_every_policy_and_budget_gives_the_resident_tokens(
         assert s["hits"] + s["misses"] > 0
         if compensation == "cpu_only":
             assert s["copies"] == 0 and s["cpu_experts"] > 0
+        if compensation == "transfer_only":  # a copy decision never turns into a CPU expert
+            assert s["cpu_experts"] == 0 and s["copies"] > 0
     finally:
         rt.close()
 
