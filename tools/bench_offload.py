@@ -47,6 +47,17 @@ CONFIGS = {
         C.BatchThreshold(),
     ),
     "oled": lambda: (A.AdaptiveAllocation(), R.ConfidenceRetention(), C.CooperativeCompensation()),
+    # OLED with one mechanism replaced by the baseline's, to see what each contributes
+    "oled, uniform allocation": lambda: (
+        A.UniformAllocation(),
+        R.ConfidenceRetention(),
+        C.CooperativeCompensation(),
+    ),
+    "oled, transfer_only": lambda: (
+        A.AdaptiveAllocation(),
+        R.ConfidenceRetention(),
+        C.TransferOnly(),
+    ),
 }
 
 
@@ -61,6 +72,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_offload.json")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--cost", default="h200", help="cost profile for the policies")
+    ap.add_argument("--trace", default=None, help="record the resident run's routing here")
     args = ap.parse_args()
     dev = torch.device(args.device)
     path = Path(args.model)
@@ -77,8 +89,11 @@ def main() -> None:
     decode = DecodeConfig(max_new_tokens=args.gen_length, threshold=0.95)
     rows = []
     resident = ResidentExperts(ckpt.experts, dev)
-    ref = run(Runtime(checkpoint=ckpt, device=dev, executor=resident, decode=decode), prompt, args)
+    res_rt = Runtime(checkpoint=ckpt, device=dev, executor=resident, decode=decode)
+    ref = run(res_rt, prompt, args)
     rows.append(("resident", 1.0, ref))
+    if args.trace:
+        record(res_rt, prompt, Path(args.trace))
     del resident
     torch.cuda.empty_cache()
     names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
@@ -110,6 +125,30 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(report, indent=1))
     print_table(rows, ref)
+
+
+def record(rt: Runtime, prompt: list[int], out: Path) -> None:
+    """The routing of one generation of the benchmark prompt, as a trace file."""
+    from oled.trace.commands import _StepRecorder
+    from oled.trace.recorder import TraceRecorder
+
+    cfg = rt.config
+    recorder = TraceRecorder(
+        num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok, expert_bytes=rt.checkpoint.experts.expert_bytes,
+        hidden_size=cfg.hidden_size, model_path=str(rt.checkpoint.path),
+    )  # fmt: skip
+    remove = rt.model.add_routing_hook(
+        lambda layer, ids, w: recorder.record_routing(
+            layer, ids.cpu().numpy(), w.float().cpu().numpy()
+        )
+    )
+    try:
+        list(rt.stream(prompt, observers=[_StepRecorder(recorder)]))
+    finally:
+        remove()
+    recorder.build().save(out)
+    print(f"recorded {out}", flush=True)
 
 
 def run(rt: Runtime, prompt: list[int], args) -> dict:

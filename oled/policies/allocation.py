@@ -72,7 +72,9 @@ class AdaptiveAllocation(AllocationPolicy):
 
     demand = working_set ** ws_power * ((1 - reuse_weight) + reuse_weight * reuse); each layer
     keeps at least `floor_fraction` of the uniform share (and at least one slot). Uniform until
-    every layer has been measured.
+    every layer has been measured. A re-plan that would move fewer than `min_shift` of all slots
+    keeps the current split: moving slots evicts warm experts, so small shifts cost more than
+    they win.
     """
 
     def __init__(
@@ -81,22 +83,33 @@ class AdaptiveAllocation(AllocationPolicy):
         ws_power: float = 1.0,
         reuse_weight: float = 0.5,
         floor_fraction: float = 0.25,
+        min_shift: float = 0.1,
         replan: bool = True,
     ) -> None:
         self.ws_power = ws_power
         self.reuse_weight = reuse_weight
         self.floor_fraction = floor_fraction
+        self.min_shift = min_shift
         self.replan = replan
+        self._last: list[int] | None = None
 
     def allocate(
         self, *, total_slots: int, num_layers: int, num_experts: int, stats: LayerStats | None
     ) -> list[int]:
         """Proportional split by demand, uniform without stats."""
         if stats is None or not stats.ready:
-            return uniform_split(total_slots, num_layers, num_experts)
+            self._last = uniform_split(total_slots, num_layers, num_experts)
+            return self._last
         ws = np.maximum(stats.working_set, 1.0)
         demand = ws**self.ws_power * (1 - self.reuse_weight + self.reuse_weight * stats.reuse)
         floor = int(self.floor_fraction * total_slots / num_layers)
-        return proportional_split(
+        split = proportional_split(
             demand, total_slots=total_slots, floor=floor, num_experts=num_experts
         )
+        last = self._last
+        if last is not None and len(last) == len(split):
+            moved = sum(max(0, a - b) for a, b in zip(split, last, strict=True))
+            if moved < self.min_shift * total_slots:
+                return last
+        self._last = split
+        return split
