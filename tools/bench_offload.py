@@ -48,12 +48,12 @@ CONFIGS = {
     ),
     "oled": lambda: (A.AdaptiveAllocation(), R.ConfidenceRetention(), C.CooperativeCompensation()),
     # OLED with one mechanism replaced by the baseline's, to see what each contributes
-    "oled, uniform allocation": lambda: (
+    "oled/uniform-alloc": lambda: (
         A.UniformAllocation(),
         R.ConfidenceRetention(),
         C.CooperativeCompensation(),
     ),
-    "oled, transfer_only": lambda: (
+    "oled/transfer-only": lambda: (
         A.AdaptiveAllocation(),
         R.ConfidenceRetention(),
         C.TransferOnly(),
