@@ -52,11 +52,17 @@ class CooperativeCompensation(CompensationPolicy):
     Misses are ranked by what copying saves (their CPU time + future_weight x reuse x the copy
     cost of missing them again); the first k are copied, k minimising max(copy queue + copies,
     CPU queue + CPU work) + future_weight x reuse x copy cost of every miss left on the CPU.
+    CPU work is counted `cpu_slowdown` times its cost-model time: CPU experts and copies that run
+    at once slow each other (host memory bandwidth, the interpreter lock; measured 6.2 ms of CPU
+    experts alone against 13.4 ms beside copies, DESIGN.md section 5).
     """
 
-    def __init__(self, *, future_weight: float = 1.0, horizon: int = 1) -> None:
+    def __init__(
+        self, *, future_weight: float = 1.0, horizon: int = 1, cpu_slowdown: float = 2.2
+    ) -> None:
         self.future_weight = future_weight
         self.horizon = horizon  # future iterations whose misses count (expected cost x horizon)
+        self.cpu_slowdown = cpu_slowdown
 
     def decide(
         self,
@@ -69,7 +75,7 @@ class CooperativeCompensation(CompensationPolicy):
         cost: CostModel,
     ) -> np.ndarray:
         """Greedy prefix split over the ranked misses."""
-        cpu_cost = cost.cpu_fixed_ms + cost.cpu_ms_per_token * tokens  # misses have tokens > 0
+        cpu_cost = self.cpu_slowdown * (cost.cpu_fixed_ms + cost.cpu_ms_per_token * tokens)
         miss_again = np.minimum(cpu_cost, cost.copy_ms_per_expert)
         future = (self.future_weight * self.horizon) * reuse * miss_again
         order = (-(cpu_cost + future)).argsort(kind="stable")
