@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 PACKAGES = ("oled-moe", "safetensors", "tokenizers", "numpy", "pydantic", "typer",
-            "rich", "fastapi", "uvicorn", "mlflow", "optuna")  # fmt: skip
+            "rich", "fastapi", "uvicorn", "mlflow-skinny", "mlflow", "optuna", "matplotlib")  # fmt: skip
 
 
 @dataclass
