@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 app = typer.Typer(
     name="oled",
@@ -20,28 +18,7 @@ app = typer.Typer(
 )
 model_app = typer.Typer(help="Create and inspect checkpoints.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-
-ModelOpt = Annotated[
-    str, typer.Option("--model", "-m", help="Checkpoint directory or builtin:NAME.")
-]
-DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
-DtypeOpt = Annotated[str, typer.Option(help="bfloat16, float16 or float32.")]
-
-
-def user_errors(fn):
-    """Turn expected failures (bad input, missing files) into one red line and exit code 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, OSError) as err:
-            err_console.print(f"[red]error:[/red] {err}")
-            raise typer.Exit(2) from None
-
-    return wrapper
+from oled.options import DeviceOpt, DtypeOpt, ModelOpt, console, err_console, user_errors  # noqa: E402
 
 
 @app.command()

@@ -6,43 +6,23 @@ so that `oled --help` stays fast.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-
-RecipeOpt = Annotated[
-    Path | None, typer.Option("--recipe", "-r", help="TOML recipe (model, budget, policies).")
-]
-ModelOpt = Annotated[
-    str, typer.Option("--model", "-m", help="Checkpoint directory or builtin:NAME.")
-]
-DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
-DtypeOpt = Annotated[str, typer.Option(help="bfloat16, float16 or float32.")]
-CacheOpt = Annotated[
-    int | None,
-    typer.Option("--cache-size", help="GPU expert slots per layer (default: all resident)."),
-]
-BlockOpt = Annotated[int, typer.Option("--block-length", help="Positions per diffusion block.")]
-ThresholdOpt = Annotated[float, typer.Option(help="Commit confidence threshold.")]
-
-
-def user_errors(fn):
-    """Expected failures (bad input, missing files or features) -> one red line, exit code 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, OSError) as err:
-            err_console.print(f"[red]error:[/red] {err}")
-            raise typer.Exit(2) from None
-
-    return wrapper
+from oled.options import (
+    BlockOpt,
+    CacheOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    RecipeOpt,
+    ThresholdOpt,
+    err_console,
+    user_errors,
+)
 
 
 def spec_of(model: str, device: str, dtype: str, recipe: Path | None, cache_size: int | None,

@@ -129,25 +129,9 @@ def main() -> None:
 
 def record(rt: Runtime, prompt: list[int], out: Path) -> None:
     """The routing of one generation of the benchmark prompt, as a trace file."""
-    from oled.trace.commands import _StepRecorder
-    from oled.trace.recorder import TraceRecorder
+    from oled.trace.commands import record_trace
 
-    cfg = rt.config
-    recorder = TraceRecorder(
-        num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,
-        top_k=cfg.num_experts_per_tok, expert_bytes=rt.checkpoint.experts.expert_bytes,
-        hidden_size=cfg.hidden_size, model_path=str(rt.checkpoint.path),
-    )  # fmt: skip
-    remove = rt.model.add_routing_hook(
-        lambda layer, ids, w: recorder.record_routing(
-            layer, ids.cpu().numpy(), w.float().cpu().numpy()
-        )
-    )
-    try:
-        list(rt.stream(prompt, observers=[_StepRecorder(recorder)]))
-    finally:
-        remove()
-    recorder.build().save(out)
+    record_trace(rt, [prompt], out)
     print(f"recorded {out}", flush=True)
 
 

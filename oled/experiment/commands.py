@@ -127,7 +127,7 @@ def tune(
     trials: Annotated[int | None, typer.Option(help="Trials for this process.")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the best recipe here.")] = None,
 ) -> None:
-    """Search [tune.params] with Optuna; several processes may share one study."""
+    """Search the recipe's tune.params with Optuna; several processes may share one study."""
     from oled.experiment.tune import tune_recipe
 
     loaded = _load(recipe, set_)

@@ -41,8 +41,12 @@ class _StepRecorder(DecodeObserver):
         self.recorder.record_step(step_context(info))
 
 
-def record_trace(runtime, prompts, out: Path) -> Path:
-    """Decode `prompts` with `runtime`, recording per forward and MoE layer the routing."""
+def recording(runtime):
+    """A recorder for `runtime`'s model and the two hooks that feed it.
+
+    Returns (recorder, observer, remove): pass `observer` to `Runtime.stream`; call `remove()`
+    to detach the routing hook.
+    """
     from oled.trace.recorder import TraceRecorder
 
     cfg = runtime.config
@@ -55,16 +59,19 @@ def record_trace(runtime, prompts, out: Path) -> Path:
     def hook(layer, ids, weights) -> None:
         recorder.record_routing(layer, ids.cpu().numpy(), weights.float().cpu().numpy())
 
-    remove = runtime.model.add_routing_hook(hook)
+    return recorder, _StepRecorder(recorder), runtime.model.add_routing_hook(hook)
+
+
+def record_trace(runtime, prompt_ids: list[list[int]], out: Path) -> Path:
+    """Decode each prompt with `runtime`, recording per forward and MoE layer the routing."""
+    recorder, observer, remove = recording(runtime)
     try:
-        for prompt in prompts:
-            ids = runtime.prompt_ids(prompt.as_messages(), chat=True)
-            for _ in runtime.stream(ids, observers=[_StepRecorder(recorder)]):
+        for ids in prompt_ids:
+            for _ in runtime.stream(ids, observers=[observer]):
                 pass
     finally:
         remove()
-    trace = recorder.build()
-    trace.save(out)
+    recorder.build().save(out)
     return out
 
 
@@ -75,9 +82,9 @@ def trace_record(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
 ) -> None:
     """Decode the recipe's workload and store its routing, confidences and decode states."""
-    from oled.cli import user_errors
     from oled.experiment.build import build
     from oled.experiment.workload import load_prompts
+    from oled.options import user_errors
     from oled.recipe import load_recipe
 
     @user_errors
@@ -86,7 +93,8 @@ def trace_record(
         prompts = load_prompts(r.workload.prompts, recipe.parent)
         runtime = build(r.with_values({"runtime.budget": {"resident": True}}))
         try:
-            record_trace(runtime, prompts, out)
+            ids = [runtime.prompt_ids(p.as_messages(), chat=True) for p in prompts]
+            record_trace(runtime, ids, out)
         finally:
             runtime.close()
         from oled.trace.format import Trace
@@ -161,7 +169,7 @@ def simulate_cmd(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
 ) -> None:
     """Replay a trace through policies; hit rates and modelled latency beside the Belady bound."""
-    from oled.cli import user_errors
+    from oled.options import user_errors
     from oled.recipe import load_recipe
     from oled.trace.format import Trace
 
