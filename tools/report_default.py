@@ -47,7 +47,12 @@ def default_dir() -> Path:
 
 class RoutingStats(DecodeObserver):
     """Per iteration and MoE layer, the experts of the block's positions; per position, the
-    confidence the decoder saw, to relate routing stability to confidence."""
+    confidence the decoder saw, to relate routing stability to confidence.
+
+    `topk_kept_by_confidence`: the share of a position's top-k experts that it keeps from one
+    iteration to the next, for positions fixed before the iteration (prompt or committed
+    earlier), positions committed by the iteration (their input changes from the mask to the
+    token), and positions still masked, bucketed by the confidence the iteration gave them."""
 
     def __init__(self, model, block_length: int) -> None:
         self.bl = block_length
@@ -65,6 +70,7 @@ class RoutingStats(DecodeObserver):
                 "layers": dict(self.current),
                 "masked": info.masked.cpu().numpy(),
                 "conf": info.confidence.float().cpu().numpy(),
+                "committed": info.committed.cpu().numpy(),
             }
         )
         self.current = {}
@@ -92,13 +98,18 @@ class RoutingStats(DecodeObserver):
                     if not prev["masked"][pos]:
                         same_by_conf["fixed"].append(keep)
                         continue
+                    if prev["committed"][pos]:
+                        same_by_conf["just committed"].append(keep)
+                        continue
                     c = prev["conf"][pos]
                     for lo, hi in BUCKETS:
                         if lo <= c < hi:
                             same_by_conf[f"{lo:.1f}-{min(hi, 1.0):.1f}"].append(keep)
         layers = sorted(distinct)
+        committed = sum(int(it["committed"].sum()) for it in self.iters)
         return {
             "iterations": len(self.iters),
+            "committed_per_forward": committed / max(1, len(self.iters)),
             "distinct_per_layer": [float(np.mean(distinct[x])) for x in layers],
             "distinct_mean": float(np.mean([np.mean(distinct[x]) for x in layers])),
             "jaccard_per_layer": [float(np.mean(jaccard[x])) for x in layers if jaccard[x]],
@@ -117,7 +128,7 @@ def measure(path: Path, prompts: list[str], max_new_tokens: int) -> dict:
     rt = load_runtime(str(path), device="cpu", dtype="bfloat16")
     decode = DecodeConfig(max_new_tokens=max_new_tokens)
     stats = RoutingStats(rt.model, decode.block_length)
-    answers, total_iters, total_tokens, seconds = [], 0, 0, 0.0
+    answers, seconds = [], 0.0
     usage = np.zeros((rt.config.num_moe_layers, rt.config.num_experts))
     count = rt.model.add_routing_hook(
         lambda layer, ids, w: np.add.at(usage[layer], ids.cpu().numpy().ravel(), 1)
@@ -130,8 +141,6 @@ def measure(path: Path, prompts: list[str], max_new_tokens: int) -> dict:
             out += block.new_tokens
         seconds += time.perf_counter() - t0
         st = rt.last_stats
-        total_iters += st.iterations
-        total_tokens += st.new_tokens
         answers.append(
             {"prompt": prompt, "answer": rt.tokenizer.decode(out), "tokens": st.new_tokens,
              "iterations": st.iterations, "seconds": time.perf_counter() - t0}
@@ -140,7 +149,6 @@ def measure(path: Path, prompts: list[str], max_new_tokens: int) -> dict:
     count()
     summary = stats.summary(rt.config.num_experts)
     summary["experts_ever_used_per_layer"] = [int((u > 0).sum()) for u in usage]
-    summary["tokens_per_forward"] = total_tokens / max(1, total_iters)
     summary["seconds"] = seconds
     return {"answers": answers, "routing": summary}
 

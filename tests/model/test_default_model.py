@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -71,6 +72,7 @@ def test_routing_uses_most_experts(runtime):
 def _train_module():
     spec = importlib.util.spec_from_file_location("train_default", ROOT / "tools/train_default.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -95,7 +97,7 @@ def test_training_forward_matches_block_causal_decoding():
     h = T.hidden_states(
         model, torch.cat([noisy, clean], 1), torch.arange(L).repeat(2), T.dual_mask(L, bl, "cpu")
     )
-    logits = model.lm_head(h[:, :L])
+    logits = model.lm_head(h[:, :L]).float()
     for b in range(L // bl):
         inputs = torch.cat([clean[:, : b * bl], noisy[:, b * bl : (b + 1) * bl]], 1)
         ref = model(inputs, block_length=bl, logits_from=b * bl)
