@@ -58,7 +58,10 @@ def test_routing_uses_most_experts(runtime):
     try:
         text = (
             "In the beginning God created the heaven and the earth. To be, or not to be: "
-            "that is the question. Now is the winter of our discontent made glorious summer."
+            "that is the question. Now is the winter of our discontent made glorious summer. "
+            "And the LORD spake unto Moses, saying, Speak unto the children of Israel. "
+            "O Romeo, Romeo! wherefore art thou Romeo? Friends, Romans, countrymen, lend me "
+            "your ears; I come to bury Caesar, not to praise him. Blessed are the meek."
         )
         ids = torch.tensor([runtime.tokenizer.encode(text)])
         with torch.inference_mode():
