@@ -551,6 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     export(out, model, experts, mcfg, tok)
     record["steps"] = step
     record["train_minutes"] = (time.time() - t0) / 60
+    record["process_cpu_minutes"] = time.process_time() / 60
     record["final"] = history[-1] if history else {}
     (out / "train_config.json").write_text(json.dumps(record, indent=2) + "\n")
     log(out, f"done: {step} steps in {(time.time() - t0) / 60:.1f} min -> {out / 'checkpoint'}")
