@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -41,14 +42,26 @@ def cache_home() -> Path:
     return Path(os.environ.get("OLED_HOME") or Path.home() / ".cache" / "oled")
 
 
+def shipped_default() -> Path | None:
+    """The trained default model shipped with the package (oled/data/default), if present."""
+    path = Path(str(resources.files("oled").joinpath("data/default")))
+    return path if (path / "config.json").exists() else None
+
+
 def resolve_model(spec: str) -> Path:
-    """A checkpoint directory for a path or `builtin:NAME` (made on first use, seed 0)."""
+    """A checkpoint directory for a path or `builtin:NAME`.
+
+    `builtin:tiny` is the trained default model shipped in the package (docs/default-model.md);
+    the other built-ins are random-initialised checkpoints made on first use (seed 0).
+    """
     if not spec.startswith(BUILTIN):
         return Path(spec).expanduser()
     name = spec[len(BUILTIN) :]
     if name not in PRESETS or name == "mini-shape":
         choices = [p for p in PRESETS if p != "mini-shape"]
         raise ValueError(f"unknown built-in model {spec!r}; choose from builtin:{choices}")
+    if name == "tiny" and (shipped := shipped_default()) is not None:
+        return shipped
     target = cache_home() / "models" / f"{name}-seed0"
     if not (target / "config.json").exists():
         target.parent.mkdir(parents=True, exist_ok=True)

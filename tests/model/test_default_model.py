@@ -1,0 +1,107 @@
+"""The trained default model shipped as `builtin:tiny`, and the training objective's forward."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from oled.model.config import ModelConfig
+from oled.runtime import load_runtime, resolve_model, shipped_default
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(shipped_default() is None, reason="no shipped default model")
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    rt = load_runtime("builtin:tiny", device="cpu", dtype="bfloat16")
+    yield rt
+    rt.close()
+
+
+def test_builtin_tiny_is_the_shipped_checkpoint():
+    path = resolve_model("builtin:tiny")
+    assert path == shipped_default()
+    cfg = ModelConfig.from_json(path)
+    assert cfg.first_k_dense_replace == 1 and cfg.num_moe_layers >= 3
+    assert cfg.num_shared_experts == 1 and cfg.num_experts >= 32
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size <= 40 * 2**20, f"{size / 2**20:.1f} MiB shipped"
+    assert (path / "tokenizer.json").exists() and (path / "model.safetensors").exists()
+
+
+def test_answers_a_question_in_words(runtime):
+    t0 = time.perf_counter()
+    gen = runtime.generate("Who wrote Hamlet?", max_new_tokens=32)
+    seconds = time.perf_counter() - t0
+    words = re.findall(r"[^\s]+", gen.text)
+    assert len(words) >= 3, gen.text
+    alphabetic = [w for w in words if re.fullmatch(r"[A-Za-z']+[.,;:!?)]*", w.strip("(\"'"))]
+    assert len(alphabetic) / len(words) >= 0.6, gen.text
+    assert seconds < 20, f"{seconds:.1f} s on CPU"
+
+
+def test_routing_uses_most_experts(runtime):
+    cfg = runtime.config
+    used = [set() for _ in range(cfg.num_moe_layers)]
+    remove = runtime.model.add_routing_hook(
+        lambda layer, ids, w: used[layer].update(ids.ravel().tolist())
+    )
+    try:
+        text = (
+            "In the beginning God created the heaven and the earth. To be, or not to be: "
+            "that is the question. Now is the winter of our discontent made glorious summer. "
+            "And the LORD spake unto Moses, saying, Speak unto the children of Israel. "
+            "O Romeo, Romeo! wherefore art thou Romeo? Friends, Romans, countrymen, lend me "
+            "your ears; I come to bury Caesar, not to praise him. Blessed are the meek."
+        )
+        ids = torch.tensor([runtime.tokenizer.encode(text)])
+        with torch.inference_mode():
+            runtime.model(ids, block_length=32)
+    finally:
+        remove()
+    for layer, experts in enumerate(used):
+        assert len(experts) >= 0.75 * cfg.num_experts, (layer, len(experts))
+
+
+def _train_module():
+    spec = importlib.util.spec_from_file_location("train_default", ROOT / "tools/train_default.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_forward_matches_block_causal_decoding():
+    """The noisy+clean copy forward gives each block what LLaDA2Model.forward gives it."""
+    T = _train_module()
+    cfg = T.TrainConfig(
+        hidden=64, layers=3, heads=2, kv_heads=1, head_dim=32, intermediate=64, experts=8,
+        top_k=2, groups=2, topk_group=1, moe_intermediate=16, vocab_size=600,
+    )  # fmt: skip
+    mcfg = cfg.model_config()
+    gen = torch.Generator().manual_seed(0)
+    model = T.init_model(mcfg, gen).double()
+    experts = T.TrainExperts(mcfg, gen).to("cpu")
+    experts.w13 = [torch.nn.Parameter(w.double()) for w in experts.w13]
+    experts.w2 = [torch.nn.Parameter(w.double()) for w in experts.w2]
+    model.set_executor(experts)
+    L, bl = 96, 32
+    clean = torch.randint(0, 300, (1, L), generator=gen)
+    noisy = torch.where(torch.rand(1, L, generator=gen) < 0.5, 305, clean)
+    h = T.hidden_states(
+        model, torch.cat([noisy, clean], 1), torch.arange(L).repeat(2), T.dual_mask(L, bl, "cpu")
+    )
+    logits = model.lm_head(h[:, :L]).float()
+    for b in range(L // bl):
+        inputs = torch.cat([clean[:, : b * bl], noisy[:, b * bl : (b + 1) * bl]], 1)
+        ref = model(inputs, block_length=bl, logits_from=b * bl)
+        assert torch.allclose(ref, logits[:, b * bl : (b + 1) * bl], atol=1e-6)
