@@ -24,7 +24,7 @@ from oled.offload.metrics import EngineMetrics
 from oled.offload.planner import LayerPlan, Planner, Resize
 from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, Load, StepContext
 
-HIT, COPIED = 0, 1  # rows of the per-layer expert -> slot maps
+HIT, COPIED, STAGED = 0, 1, 2  # rows of the per-layer expert -> slot maps; STAGED + round
 
 
 class OffloadEngine(DecodeObserver):
@@ -41,10 +41,14 @@ class OffloadEngine(DecodeObserver):
         stage = planner.stage_capacity
         self.stage_w13, self.stage_w2 = self._table(stage, 0, dtype), self._table(stage, 1, dtype)
         layers = store.num_layers
-        self._maps_host = torch.full((layers, 2, self.num_experts), -1, dtype=torch.long)
+        stage_rounds = (
+            -(-self.num_experts // planner.stage_capacity) if planner.stage_capacity else 0
+        )
+        rows = STAGED + stage_rounds
+        self._maps_host = torch.full((layers, rows, self.num_experts), -1, dtype=torch.long)
         if self.cuda:
             self._maps_host = self._maps_host.pin_memory()
-        self._maps_dev = torch.full((layers, 2, self.num_experts), -1, device=device)
+        self._maps_dev = torch.full((layers, rows, self.num_experts), -1, device=device)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._stage_free: torch.cuda.Event | None = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu-experts")
@@ -80,7 +84,7 @@ class OffloadEngine(DecodeObserver):
         plan = self.planner.plan(layer, ids_np, w_np, self._load())
         cpu_job = self._start_cpu(layer, x, ids_np, packed[:, k:], plan)
         ready = self._copy(layer, plan)
-        maps = self._upload_maps(layer, plan)  # [2, E] on the device
+        maps = self._upload_maps(layer, plan)  # [rows, E] on the device
         pairs = self._gpu_pairs(layer, x, ids, weights, maps, plan, ready)  # [T, K, H] fp32
         self._account(layer, plan, time.perf_counter() - t0)
         if cpu_job is not None:
@@ -97,15 +101,23 @@ class OffloadEngine(DecodeObserver):
         )
 
     def _upload_maps(self, layer: int, plan: LayerPlan) -> Tensor:
-        """expert -> slot for hits and for experts copied into the cache now."""
-        maps = self._maps_host[layer].numpy()  # [2, E] view of pinned memory
+        """expert -> slot for hits, for experts copied into the cache now, and for each round of
+        staged experts: rows HIT, COPIED, STAGED + round, sent in one copy from pinned memory."""
+        host = self._maps_host[layer]  # [rows, E] pinned
+        stage = self.planner.stage_capacity
+        rounds = -(-len(plan.stage_experts) // stage) if stage else 0
+        used = STAGED + rounds
+        maps = host.numpy()[:used]
         maps.fill(-1)
         maps[HIT] = plan.slot_of
         if len(plan.copy_experts):
             maps[COPIED, plan.copy_experts] = plan.copy_slots
             maps[HIT, plan.copy_experts] = -1
+        if rounds:
+            rows = STAGED + np.arange(len(plan.stage_experts)) // stage
+            maps[rows, plan.stage_experts] = plan.stage_slots
         dev = self._maps_dev[layer]
-        dev.copy_(self._maps_host[layer], non_blocking=True)
+        dev[:used].copy_(host[:used], non_blocking=True)
         return dev
 
     def _gpu_pairs(self, layer, x, ids, weights, maps, plan, ready) -> Tensor:
@@ -122,15 +134,15 @@ class OffloadEngine(DecodeObserver):
                 x, maps[COPIED][ids], weights, self.w13[layer], self.w2[layer]
             )
         if len(plan.stage_experts):
-            pairs = pairs + self._staged_pairs(layer, x, ids, weights, plan)
+            pairs = pairs + self._staged_pairs(layer, x, ids, weights, maps, plan)
         return pairs
 
-    def _staged_pairs(self, layer, x, ids, weights, plan: LayerPlan) -> Tensor:
+    def _staged_pairs(self, layer, x, ids, weights, maps, plan: LayerPlan) -> Tensor:
         """Experts that found no cache slot, through the stage in rounds of its capacity."""
         size = self.stage_w13.shape[0]
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         pairs = None
-        for lo in range(0, len(plan.stage_experts), size):
+        for r, lo in enumerate(range(0, len(plan.stage_experts), size)):
             experts, slots = plan.stage_experts[lo : lo + size], plan.stage_slots[lo : lo + size]
             begin = _event(self.copy_stream)
             if self.copy_stream is not None and self._stage_free is not None:
@@ -141,9 +153,7 @@ class OffloadEngine(DecodeObserver):
                 stall = _event(compute)
                 compute.wait_event(copied)
                 self._events += [(layer, begin, copied, "copy"), (layer, stall, _event(compute))]
-            stage_map = np.full(self.num_experts, -1, np.int64)
-            stage_map[experts] = slots
-            mapped = torch.from_numpy(stage_map).to(self.device)[ids]  # [T, K]
+            mapped = maps[STAGED + r][ids]  # [T, K]
             part = expert_pairs(x, mapped, weights, self.stage_w13, self.stage_w2)
             pairs = part if pairs is None else pairs + part
             self._stage_free = _event(compute)
