@@ -63,11 +63,10 @@ OFFLOAD_KEYS = ("hit_rate", "hits", "misses", "copies", "copy_bytes", "cpu_exper
 
 
 def offload_stats(rt: Runtime) -> dict[str, float] | None:
-    """The offload engine's figures for the last generation; None when all experts are resident."""
-    metrics = getattr(rt.executor, "metrics", None)
-    if metrics is None:
+    """The offload engine's headline figures for the last generation; None when resident."""
+    summary = rt.offload_summary()
+    if summary is None:
         return None
-    summary = metrics.summary()
     return {k: float(summary[k]) for k in OFFLOAD_KEYS if k in summary}
 
 

@@ -165,12 +165,14 @@ class Runtime:
         finally:
             self.last_stats = decoder.stats
 
+    def offload_summary(self) -> dict | None:
+        """The offload engine's figures for the last generation; None when all are resident."""
+        metrics = getattr(self.executor, "metrics", None)
+        return metrics.summary() if metrics is not None else None
+
     def stats(self) -> dict:
         """The last generation's decoding statistics and, when offloading, the engine's."""
-        out = self.last_stats.to_dict()
-        metrics = getattr(self.executor, "metrics", None)
-        out |= metrics.summary() if metrics is not None else RESIDENT_SUMMARY
-        return out
+        return self.last_stats.to_dict() | (self.offload_summary() or RESIDENT_SUMMARY)
 
     def close(self) -> None:
         """Stop worker threads (an offloading runtime has a CPU expert worker)."""
@@ -246,9 +248,7 @@ def make_planner(
     ckpt: Checkpoint, dev, slots, stage_capacity, allocation, retention, compensation, cost
 ) -> Planner:
     """A planner with the given policies; OLED's own where one is not given."""
-    from oled.policies.allocation import AdaptiveAllocation
-    from oled.policies.compensation import CooperativeCompensation
-    from oled.policies.retention import ConfidenceRetention
+    from oled.policies import with_oled_defaults
 
     if isinstance(cost, str):
         if cost == "calibrate":
@@ -264,10 +264,8 @@ def make_planner(
         top_k=cfg.num_experts_per_tok,
         total_slots=slots,
         stage_capacity=stage_capacity,
-        allocation=allocation or AdaptiveAllocation(),
-        retention=retention or ConfidenceRetention(),
-        compensation=compensation or CooperativeCompensation(),
         cost=cost,
+        **with_oled_defaults(allocation=allocation, retention=retention, compensation=compensation),
     )
 
 

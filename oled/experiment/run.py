@@ -37,20 +37,14 @@ class RunResult:
     run_id: str | None  # MLflow run id (None when tracking is off)
 
 
-def stats_of(result: Any) -> Stats:
-    """The stats dict of one `runtime.generate` result (`.stats`: a dict or has `to_dict()`)."""
-    stats = result.stats
-    return stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
-
-
 def generate(runtime: Any, prompt: Prompt, chat: bool) -> Stats:
-    """One generation; its stats dict (`runtime.stats()` where the runtime has it)."""
+    """One generation; its stats dict (`runtime.stats()`)."""
     if chat:
-        result = runtime.generate(prompt.as_messages(), chat=True)
+        runtime.generate(prompt.as_messages(), chat=True)
     else:
         text = prompt.prompt if prompt.prompt is not None else prompt.as_messages()[-1]["content"]
-        result = runtime.generate(text, chat=False)
-    return dict(runtime.stats()) if hasattr(runtime, "stats") else stats_of(result)
+        runtime.generate(text, chat=False)
+    return dict(runtime.stats())
 
 
 def run_workload(

@@ -112,6 +112,7 @@ def simulate_recipe(trace, recipe, *, profile: str | None = None):
     """Replay `trace` through a recipe's policies and budget: (SimResult, Belady bound)."""
     from oled import registry as reg
     from oled.experiment.build import build_policy
+    from oled.policies import with_oled_defaults
     from oled.policies.base import CostModel
     from oled.trace.simulate import belady_bypass, simulate
 
@@ -122,22 +123,10 @@ def simulate_recipe(trace, recipe, *, profile: str | None = None):
     policies = {kind: build_policy(kind, getattr(recipe.policy, kind)) for kind in reg.POLICY_KINDS}
     result = simulate(
         trace, total_slots=slots, cost=CostModel.profile(cost_name),
-        stage_capacity=recipe.runtime.stage_capacity or 8, **_defaults(policies),
+        stage_capacity=recipe.runtime.stage_capacity or 8, **with_oled_defaults(**policies),
     )  # fmt: skip
     bound = belady_bypass(trace, result.capacity_history)
     return result, bound
-
-
-def _defaults(policies: dict) -> dict:
-    from oled.policies.allocation import AdaptiveAllocation
-    from oled.policies.compensation import CooperativeCompensation
-    from oled.policies.retention import ConfidenceRetention
-
-    return {
-        "allocation": policies.get("allocation") or AdaptiveAllocation(),
-        "retention": policies.get("retention") or ConfidenceRetention(),
-        "compensation": policies.get("compensation") or CooperativeCompensation(),
-    }
 
 
 def trace_slots(trace, budget) -> int:

@@ -31,6 +31,7 @@ class SyntheticRuntime:
         self.slots = slots
         self.rng = random.Random(seed)
         self.caches = [OrderedDict() for _ in range(layers)]
+        self.last: dict = {}
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> SyntheticRuntime:
@@ -71,7 +72,12 @@ class SyntheticRuntime:
             "gpu_experts": hits + misses,
             "stall_ms": 0.1 * misses,
         }
+        self.last = stats
         return Generation(text="", stats=stats)
+
+    def stats(self) -> dict:
+        """The last generation's figures, as `oled.runtime.Runtime.stats` gives them."""
+        return self.last
 
 
 @pytest.fixture(scope="session")
