@@ -8,6 +8,7 @@ process and the table gives each one's ratio to the first.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import statistics
@@ -21,7 +22,6 @@ from typing import Any
 import torch
 
 from oled.decoding import DecodeObserver
-from oled.launch import offload_stats
 from oled.runtime import Runtime
 
 
@@ -107,13 +107,16 @@ class StageProfiler(DecodeObserver):
         return totals
 
 
-def run_once(rt: Runtime, prompt: list[int], decode, observers=()) -> tuple[Any, dict | None]:
-    """One generation: its decoding statistics and the offload engine's figures."""
-    for _ in rt.stream(prompt, decode=decode, observers=observers):
-        pass
+def run_once(
+    rt: Runtime, prompt: list[int], decode, observers=()
+) -> tuple[Any, dict | None, list[int]]:
+    """One generation: its decoding statistics, the offload engine's figures, its tokens."""
+    tokens: list[int] = []
+    for block in rt.stream(prompt, decode=decode, observers=observers):
+        tokens += block.new_tokens
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
-    return rt.last_stats, offload_stats(rt)
+    return rt.last_stats, rt.offload_summary(), tokens
 
 
 def bench_runtime(rt: Runtime, cfg: BenchConfig, label: str) -> dict[str, Any]:
@@ -124,15 +127,18 @@ def bench_runtime(rt: Runtime, cfg: BenchConfig, label: str) -> dict[str, Any]:
     for _ in range(cfg.warmup_runs):
         run_once(rt, prompt, decode)
     profiling = cfg.profile and rt.device.type == "cuda"
-    runs, offload, stages = [], [], {}
+    runs, offload, stages, outputs = [], [], {}, []
     for _ in range(cfg.runs):
         profiler = StageProfiler(rt) if profiling else None
-        stats, off = run_once(rt, prompt, decode, [profiler] if profiler else ())
+        stats, off, tokens = run_once(rt, prompt, decode, [profiler] if profiler else ())
         runs.append(stats)
+        outputs.append(tokens)
         offload += [off] if off is not None else []
         for name, ms in (profiler.close() if profiler else {}).items():
             stages[name] = stages.get(name, 0.0) + ms
-    return summarise(label, runs, stages, offload)
+    row = summarise(label, runs, stages, offload)
+    row["output"] = hashlib.sha1(repr(outputs[0]).encode()).hexdigest()[:12]  # the tokens, short
+    return row
 
 
 def summarise(label: str, runs: Sequence[Any], stages: dict[str, float],
@@ -163,11 +169,13 @@ def _p90(values: list[float]) -> float:
 
 
 def _offload_summary(per_run: list[dict], iterations: int) -> dict[str, float]:
+    """Means of the engine's rates; its totals per iteration."""
     out: dict[str, float] = {}
-    rates = [float(o["hit_rate"]) for o in per_run if "hit_rate" in o]
-    if rates:
-        out["hit_rate"] = statistics.fmean(rates)
-    for key in ("copies", "copy_bytes", "cpu_experts"):
+    for key in ("hit_rate", "cpu_share", "host_us_per_layer"):
+        values = [float(o[key]) for o in per_run if key in o]
+        if values:
+            out[key] = statistics.fmean(values)
+    for key in ("copies", "copy_bytes", "cpu_experts", "stall_ms", "copy_ms"):
         values = [float(o[key]) for o in per_run if key in o]
         if values and iterations:
             out[f"{key}_per_iteration"] = sum(values) / iterations
@@ -207,20 +215,30 @@ def table(rows: list[dict[str, Any]]):
     cols = ["config", "ms/iter p50", "ms/iter p90", "tokens/s", "tokens/fwd"]
     ratios = len(rows) > 1
     offload = any("offload" in r for r in rows)
-    cols += ["ms vs 1st"] * ratios
-    cols += ["hit rate", "copies/it", "copy MB/it", "CPU exp/it"] * offload
+    cols += ["ms vs 1st", "same tokens"] * ratios
+    cols += [
+        "hit rate",
+        "copies/it",
+        "copy MB/it",
+        "CPU share",
+        "stall ms/it",
+        "copy ms/it",
+    ] * offload
     for col in cols:
         out.add_column(col, justify="left" if col == "config" else "right")
     for r in rows:
         cells = [r["label"], f"{r['ms_per_iteration_median']:.2f}",
                  f"{r['ms_per_iteration_p90']:.2f}", f"{r['tokens_per_second']:.1f}",
                  f"{r['tokens_per_forward']:.2f}"]  # fmt: skip
-        cells += [f"{r['ms_ratio_to_first']:.2f}x"] * ratios
+        same = "yes" if r.get("output") == rows[0].get("output") else "no"
+        cells += [f"{r['ms_ratio_to_first']:.2f}x", same] * ratios
         if offload:
             o = r.get("offload", {})
             cells += [_fmt(o.get("hit_rate"), "{:.1%}"), _fmt(o.get("copies_per_iteration")),
                       _fmt(o.get("copy_bytes_per_iteration"), "{:.1f}", 1e-6),
-                      _fmt(o.get("cpu_experts_per_iteration"))]  # fmt: skip
+                      _fmt(o.get("cpu_share"), "{:.1%}"),
+                      _fmt(o.get("stall_ms_per_iteration"), "{:.2f}"),
+                      _fmt(o.get("copy_ms_per_iteration"), "{:.2f}")]  # fmt: skip
         out.add_row(*cells)
     return out
 
