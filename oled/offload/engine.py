@@ -123,12 +123,11 @@ class OffloadEngine(DecodeObserver):
     def _gpu_pairs(self, layer, x, ids, weights, maps, plan, ready) -> Tensor:
         """Hits at once; experts copied now after their copy event; staged ones in rounds."""
         pairs = expert_pairs(x, maps[HIT][ids], weights, self.w13[layer], self.w2[layer])
-        if ready is not None:
-            stream = torch.cuda.current_stream(self.device) if self.cuda else None
-            start = _event(stream)
-            if stream is not None:
+        if len(plan.copy_experts):
+            if ready is not None:  # wait for this layer's copies only now, after the hits
+                stream = torch.cuda.current_stream(self.device)
+                start = _event(stream)
                 stream.wait_event(ready)
-            if start is not None:
                 self._events.append((layer, start, _event(stream)))
             pairs = pairs + expert_pairs(
                 x, maps[COPIED][ids], weights, self.w13[layer], self.w2[layer]
@@ -159,8 +158,9 @@ class OffloadEngine(DecodeObserver):
             self._stage_free = _event(compute)
         return pairs
 
-    def _copy(self, layer: int, plan: LayerPlan) -> torch.cuda.Event | _Done | None:
-        """Launch the copies into cache slots on the copy stream; the event they complete."""
+    def _copy(self, layer: int, plan: LayerPlan) -> torch.cuda.Event | None:
+        """Launch the copies into cache slots on the copy stream; the event they complete
+        (None without copies or without a stream: on the CPU copies are synchronous)."""
         n_copy = len(plan.copy_experts)
         cost = self.planner.cost
         now = 1000 * time.perf_counter()
@@ -176,7 +176,7 @@ class OffloadEngine(DecodeObserver):
         done = _event(self.copy_stream)
         if begin is not None:
             self._events.append((layer, begin, done, "copy"))
-        return done if done is not None else _CPU_DONE
+        return done
 
     def _launch_copies(self, layer, experts, slots, w13: Tensor, w2: Tensor) -> None:
         """One copy per tensor of each expert, host (pinned) -> slot, on the copy stream."""
@@ -270,13 +270,6 @@ class OffloadEngine(DecodeObserver):
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-
-
-class _Done:
-    """Stands for a finished copy where there is no stream (CPU device: copies are synchronous)."""
-
-
-_CPU_DONE = _Done()
 
 
 def _event(stream) -> torch.cuda.Event | None:
