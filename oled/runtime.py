@@ -231,7 +231,11 @@ def build_runtime(
         stage_capacity=stage_capacity,
     )  # fmt: skip
     ckpt = load_checkpoint(
-        path, device=dev, dtype=torch_dtype, pin_experts=dev.type == "cuda", progress=progress
+        path,
+        device=dev,
+        dtype=torch_dtype,
+        progress=progress,
+        pin_experts=dev.type == "cuda" and slots is not None,  # pinned only if they stay on host
     )
     decode = decode or DecodeConfig()
     if slots is None:
@@ -278,9 +282,4 @@ def load_runtime(
     progress: bool = False,
 ) -> Runtime:
     """All experts resident on the device: the simplest runtime and the reference."""
-    dev = pick_device(device)
-    ckpt = load_checkpoint(
-        resolve_model(model), device=dev, dtype=pick_dtype(dtype), progress=progress
-    )
-    executor = ResidentExperts(ckpt.experts, dev)
-    return Runtime(checkpoint=ckpt, device=dev, executor=executor, decode=decode or DecodeConfig())
+    return build_runtime(model=model, device=device, dtype=dtype, decode=decode, progress=progress)
