@@ -232,3 +232,13 @@ def test_key_lines_and_dump() -> None:
 
     assert tomli.loads(dump_toml(data)) == data
     assert parse_size("24GiB") == 24 * 2**30 and parse_size("500 MB") == 500 * 10**6
+
+
+def test_shipped_anchor_recipes_match_the_anchor_table():
+    """recipes/<anchor>.toml names the same components as oled.policies.ANCHORS."""
+    from oled.policies import ANCHORS
+
+    for name, kinds in ANCHORS.items():
+        recipe = load_recipe(ROOT / "recipes" / f"{name}.toml")
+        policy = recipe.policy
+        assert (policy.allocation.kind, policy.retention.kind, policy.compensation.kind) == kinds

@@ -35,30 +35,16 @@ from oled.model.experts import ResidentExperts  # noqa: E402
 from oled.model.presets import init_checkpoint  # noqa: E402
 from oled.offload.budget import Budget, total_slots  # noqa: E402
 from oled.offload.engine import OffloadEngine  # noqa: E402
+from oled.policies import ANCHORS, anchor_policies  # noqa: E402
 from oled.policies import allocation as A  # noqa: E402
 from oled.policies import compensation as C  # noqa: E402
-from oled.policies import retention as R  # noqa: E402
 from oled.runtime import Runtime, make_planner  # noqa: E402
 
 CONFIGS = {
-    "lru": lambda: (A.UniformAllocation(), R.LRURetention(), C.TransferOnly()),
-    "lfu": lambda: (A.UniformAllocation(), R.LFURetention(), C.TransferOnly()),
-    "hybrimoe": lambda: (A.UniformAllocation(), R.ScoreEMARetention(), C.MakespanCompensation()),
-    "tide": lambda: (A.UniformAllocation(), R.LRURetention(), C.IntervalRefresh()),
-    "fiddler": lambda: (A.UniformAllocation(), R.LFURetention(), C.StaticHot()),
-    "llamacpp": lambda: (A.UniformAllocation(), R.LRURetention(), C.BatchThreshold()),
-    "oled": lambda: (A.AdaptiveAllocation(), R.ConfidenceRetention(), C.CooperativeCompensation()),
+    **{name: lambda name=name: anchor_policies(name) for name in ANCHORS},
     # OLED with one mechanism replaced by the baseline's, to see what each contributes
-    "oled/uniform-alloc": lambda: (
-        A.UniformAllocation(),
-        R.ConfidenceRetention(),
-        C.CooperativeCompensation(),
-    ),
-    "oled/transfer-only": lambda: (
-        A.AdaptiveAllocation(),
-        R.ConfidenceRetention(),
-        C.TransferOnly(),
-    ),
+    "oled/uniform-alloc": lambda: anchor_policies("oled") | {"allocation": A.UniformAllocation()},
+    "oled/transfer-only": lambda: anchor_policies("oled") | {"compensation": C.TransferOnly()},
 }
 
 
@@ -98,7 +84,10 @@ def main() -> None:
         budget = Budget("expert_fraction", frac)
         slots = total_slots(budget, ckpt.config, dtype=torch.bfloat16, device=dev)
         for name in names:
-            planner = make_planner(ckpt, dev, slots, 8, *CONFIGS[name](), args.cost)
+            p = CONFIGS[name]()
+            planner = make_planner(
+                ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], args.cost
+            )
             engine = OffloadEngine(store=ckpt.experts, device=dev, planner=planner)
             rt = Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=decode,
                          observers=[engine])  # fmt: skip

@@ -11,30 +11,8 @@ import time
 import numpy as np
 
 from oled.offload.planner import Planner
-from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
+from oled.policies import ANCHORS, anchor_policies
 from oled.policies.base import CostModel, Load
-from oled.policies.compensation import (
-    BatchThreshold,
-    CooperativeCompensation,
-    IntervalRefresh,
-    MakespanCompensation,
-    TransferOnly,
-)
-from oled.policies.retention import (
-    ConfidenceRetention,
-    LFURetention,
-    LRURetention,
-    ScoreEMARetention,
-)
-
-COMBOS = {
-    "oled": (AdaptiveAllocation, ConfidenceRetention, CooperativeCompensation),
-    "lru": (UniformAllocation, LRURetention, TransferOnly),
-    "lfu": (UniformAllocation, LFURetention, TransferOnly),
-    "hybrimoe": (UniformAllocation, ScoreEMARetention, MakespanCompensation),
-    "tide": (UniformAllocation, LRURetention, IntervalRefresh),
-    "llama.cpp": (UniformAllocation, LRURetention, BatchThreshold),
-}
 
 
 def routing(
@@ -70,17 +48,17 @@ def bench(steps: int, slots_per_layer: int, skew: float) -> None:
     distinct = np.mean([len(np.unique(ids[s, 0])) for s in range(steps)])
     print(f"skew {skew}: {distinct:.0f} distinct experts per layer per forward")
     load = Load()
-    for name, (alloc, ret, comp) in COMBOS.items():
-        best = min(run(alloc, ret, comp, ids, weights, slots_per_layer, load) for _ in range(3))
+    for name in ANCHORS:
+        best = min(run(name, ids, weights, slots_per_layer, load) for _ in range(3))
         print(f"  {name:10s} {best[0]:6.1f} us per plan  hit rate {best[1]:.3f}")
 
 
-def run(alloc, ret, comp, ids, weights, slots_per_layer: int, load: Load) -> tuple[float, float]:
+def run(name: str, ids, weights, slots_per_layer: int, load: Load) -> tuple[float, float]:
     """One pass over the routing with fresh policies: (us per plan, hit rate)."""
     steps, layers, _, k = ids.shape
     planner = Planner(
         num_layers=layers, num_experts=256, top_k=k, total_slots=layers * slots_per_layer,
-        stage_capacity=8, allocation=alloc(), retention=ret(), compensation=comp(),
+        stage_capacity=8, **anchor_policies(name),
         cost=CostModel.profile("h200"),
     )  # fmt: skip
     t0 = time.perf_counter()

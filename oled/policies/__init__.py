@@ -12,3 +12,32 @@ def with_oled_defaults(*, allocation=None, retention=None, compensation=None) ->
         "retention": retention or ConfidenceRetention(),
         "compensation": compensation or CooperativeCompensation(),
     }
+
+
+# What each anchor system is made of, as registry names (allocation, retention, compensation).
+# The shipped recipes, `oled simulate --baselines` and the GPU benchmark all use this table.
+ANCHORS: dict[str, tuple[str, str, str]] = {
+    "lru": ("uniform", "lru", "transfer_only"),  # mixtral-offloading
+    "lfu": ("uniform", "lfu", "transfer_only"),  # MoE-Infinity
+    "hybrimoe": ("uniform", "score_ema", "makespan"),
+    "tide": ("uniform", "lru", "interval_refresh"),
+    "fiddler": ("uniform", "lfu", "static_hot"),  # Fiddler, kTransformers
+    "llamacpp": ("uniform", "lru", "batch_threshold"),
+    "oled": ("adaptive", "confidence", "cooperative"),
+}
+
+
+def anchor_policies(name: str) -> dict:
+    """Fresh policy objects of one anchor: {"allocation": ..., "retention": ..., "compensation": ...}."""
+    from oled import registry
+
+    if name not in ANCHORS:
+        import difflib
+
+        close = difflib.get_close_matches(name, ANCHORS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown anchor {name!r}{hint}; choose from {', '.join(ANCHORS)}")
+    kinds = ("allocation", "retention", "compensation")
+    return {
+        kind: registry.registry(kind).build(n) for kind, n in zip(kinds, ANCHORS[name], strict=True)
+    }

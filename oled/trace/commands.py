@@ -14,17 +14,6 @@ from oled.decoding.observers import DecodeObserver, IterationInfo
 trace_app = typer.Typer(help="Record routing traces.", no_args_is_help=True)
 console = Console(highlight=False, soft_wrap=True)
 
-# What `oled simulate --baselines` replays beside the recipe: (allocation, retention, compensation)
-BASELINES = {
-    "lru": ("uniform", "lru", "transfer_only"),
-    "lfu": ("uniform", "lfu", "transfer_only"),
-    "hybrimoe": ("uniform", "score_ema", "makespan"),
-    "tide": ("uniform", "lru", "interval_refresh"),
-    "fiddler": ("uniform", "lfu", "static_hot"),
-    "llamacpp": ("uniform", "lru", "batch_threshold"),
-    "oled": ("adaptive", "confidence", "cooperative"),
-}
-
 
 class _StepRecorder(DecodeObserver):
     """Hands every iteration's token states to the trace recorder."""
@@ -168,7 +157,9 @@ def simulate_cmd(
         base = load_recipe(recipe, set_ or [])
         runs = {"recipe": base}
         if baselines:
-            for name, (a, r, c) in BASELINES.items():
+            from oled.policies import ANCHORS
+
+            for name, (a, r, c) in ANCHORS.items():
                 runs[name] = base.with_values(
                     {"policy.allocation": {"kind": a}, "policy.retention": {"kind": r},
                      "policy.compensation": {"kind": c}}

@@ -7,22 +7,17 @@ import time
 import numpy as np
 import pytest
 
+from oled.policies import ANCHORS, anchor_policies
 from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
 from oled.policies.base import TOKEN_FIXED, TOKEN_MASKED, CostModel, StepContext
 from oled.policies.compensation import (
-    BatchThreshold,
     CooperativeCompensation,
     CpuOnly,
-    IntervalRefresh,
-    MakespanCompensation,
-    StaticHot,
     TransferOnly,
 )
 from oled.policies.retention import (
     ConfidenceRetention,
-    LFURetention,
     LRURetention,
-    ScoreEMARetention,
 )
 from oled.trace.format import Trace
 from oled.trace.recorder import TraceRecorder
@@ -30,15 +25,6 @@ from oled.trace.simulate import belady_bypass, belady_layer, requests, simulate
 from oled.trace.synthetic import synthetic_trace
 
 COST = CostModel.profile("h200")
-COMBOS = {
-    "oled": (AdaptiveAllocation, ConfidenceRetention, CooperativeCompensation),
-    "lru": (UniformAllocation, LRURetention, TransferOnly),
-    "lfu": (UniformAllocation, LFURetention, TransferOnly),
-    "hybrimoe": (UniformAllocation, ScoreEMARetention, MakespanCompensation),
-    "tide": (UniformAllocation, LRURetention, IntervalRefresh),
-    "static": (UniformAllocation, LRURetention, StaticHot),
-    "llama.cpp": (UniformAllocation, LRURetention, BatchThreshold),
-}
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +121,11 @@ def random_trace(seed: int) -> Trace:
 def test_belady_bounds_every_policy(trace_kind: str, slots: int, small: Trace) -> None:
     trace = random_trace(1) if trace_kind == "random" else small
     layers = trace.meta.num_moe_layers
-    for name, (a, r, c) in COMBOS.items():
-        if name == "static":
+    for name in ANCHORS:
+        if name == "fiddler":
             continue  # a profile prefill starts warm; the bound is cold-start
         res = simulate(
-            trace, allocation=a(), retention=r(), compensation=c(), cost=COST,
+            trace, **anchor_policies(name), cost=COST,
             total_slots=slots * layers, stage_capacity=2,
         )  # fmt: skip
         bound = belady_bypass(trace, res.capacity_history)
