@@ -171,14 +171,17 @@ class BlockDecoder:
                 return
 
     def _decode_block(self, seq, b, start, cfg, cache, gen, cancelled) -> int | None:
-        """Iterate until the block at `start` has no mask; the iterations, None if cancelled."""
+        """Iterate until the block at `start` has no mask; the iterations, None if cancelled.
+
+        Each iteration's one host sync (is any mask left?) comes at its end, so its time
+        covers the device work of the forward and the commit, not only their launch.
+        """
         bl = cfg.block_length
         end = start + bl
+        masked = seq[0, start:end] == self.mask_id  # [L]
+        open_ = bool(masked.any())
         it = 0
-        while True:
-            masked = seq[0, start:end] == self.mask_id  # [L]
-            if not bool(masked.any()):
-                return it
+        while open_:
             if cancelled():
                 return None
             self._emit("on_iteration_start", b, it, self.stats.iterations)
@@ -187,6 +190,8 @@ class BlockDecoder:
             conf, tokens = _confidence(logits, cfg.temperature, gen)  # [L], [L]
             commit = _commit(conf, masked, cfg.threshold)  # [L] bool
             seq[0, start:end] = torch.where(commit, tokens, seq[0, start:end])
+            still = seq[0, start:end] == self.mask_id  # [L]
+            open_ = bool(still.any())  # the iteration's host sync
             seconds = time.perf_counter() - t0
             self.stats.iterations += 1
             self.stats.seconds += seconds
@@ -200,7 +205,9 @@ class BlockDecoder:
                     forward_tokens=ran, seconds=seconds,
                 ),
             )  # fmt: skip
+            masked = still
             it += 1
+        return it
 
     def _forward(self, seq, start, end, cache, bl) -> tuple[Tensor, int]:
         """Block logits [L, V]; with a cache, pending prefix tokens run in the same forward."""
