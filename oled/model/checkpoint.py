@@ -186,30 +186,29 @@ def save_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     config.to_json(path / "config.json")
     tokenizer.save(path)
-    shards: list[dict[str, Tensor]] = [{}]
+    shard: dict[str, Tensor] = {}
     size = 0
     weight_map: dict[str, int] = {}
     written: list[str] = []
 
-    def flush(final: bool) -> None:
-        nonlocal size
-        if not shards[-1]:
+    def flush() -> None:
+        nonlocal shard, size
+        if not shard:
             return
         name = f"shard-{len(written):05d}.safetensors"
-        save_file(shards[-1], str(path / name), metadata={"format": "pt"})
+        save_file(shard, str(path / name), metadata={"format": "pt"})
         written.append(name)
-        shards[-1] = {}
-        size = 0
+        shard, size = {}, 0
 
     for name, tensor in tensors:
         tensor = tensor.detach().to("cpu").contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if shard_bytes is not None and size and size + nbytes > shard_bytes:
-            flush(final=False)
-        shards[-1][name] = tensor
+            flush()
+        shard[name] = tensor
         weight_map[name] = len(written)
         size += nbytes
-    flush(final=True)
+    flush()
     if shard_bytes is None:
         (path / written[0]).rename(path / SINGLE)
         return path
