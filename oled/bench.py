@@ -14,14 +14,13 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from oled.decoding import DecodeObserver
 from oled.runtime import Runtime
 
 
@@ -55,56 +54,47 @@ def random_prompt(rt: Runtime, length: int, seed: int) -> list[int]:
     return ids
 
 
-class StageProfiler(DecodeObserver):
-    """CUDA events around each forward and its stages (attention, MoE / MLP, LM head)."""
+def stage_breakdown(rt: Runtime, prompt: list[int], decode) -> dict[str, float]:
+    """Device milliseconds per iteration of each forward stage (oled.model.stages), from one
+    extra eager generation under the profiler: every kernel and copy counts for the innermost
+    stage that launched it. The graphs replay the same kernels, so these are their times too.
+    CPU experts count the worker's milliseconds (engine metrics), not device time."""
+    from torch.profiler import ProfilerActivity, profile
 
-    def __init__(self, rt: Runtime) -> None:
-        self.pending: list[tuple[str, Any, Any]] = []
-        self.handles = []
-        self._open: dict[int, Any] = {}
-        self._iteration = None
-        for name, module in self._stages(rt.model):
-            self.handles.append(module.register_forward_pre_hook(self._pre))
-            self.handles.append(module.register_forward_hook(self._post(name)))
+    from oled.model.graphs import EagerForward
+    from oled.model.stages import annotate
 
-    @staticmethod
-    def _stages(model) -> list[tuple[str, torch.nn.Module]]:
-        out = [("embedding", model.model.word_embeddings), ("lm_head", model.lm_head)]
-        for layer in model.model.layers:
-            out.append(("attention", layer.attention))
-            kind = "moe" if hasattr(layer.mlp, "gate") else "dense_mlp"
-            out.append((kind, layer.mlp))
-        return out
+    graphed, rt.forward = rt.forward, EagerForward(rt.model)
+    try:
+        with annotate(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            stats, off, _ = run_once(rt, prompt, decode)
+    finally:
+        rt.forward = graphed
+    totals = _stage_device_us(prof.events())
+    out = {name: us / 1000 / stats.iterations for name, us in totals.items()}
+    if off is not None and off.get("cpu_ms"):
+        out["CPU experts"] = off["cpu_ms"] / stats.iterations
+    return out
 
-    def _event(self):
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
-    def _pre(self, module, _inputs) -> None:
-        self._open[id(module)] = self._event()
+def _stage_device_us(events) -> dict[str, float]:
+    """Microseconds of kernels and copies per innermost enclosing stage ('other' outside)."""
+    from oled.model.stages import STAGES
 
-    def _post(self, name: str) -> Callable:
-        def hook(module, _inputs, _output) -> None:
-            self.pending.append((name, self._open.pop(id(module)), self._event()))
+    totals: dict[str, float] = {}
 
-        return hook
+    def walk(event, current: str) -> None:
+        name = event.name if event.name in STAGES else current
+        spent = sum(k.duration for k in getattr(event, "kernels", []))
+        if spent:
+            totals[name] = totals.get(name, 0.0) + spent
+        for child in event.cpu_children:
+            walk(child, name)
 
-    def on_iteration_start(self, block: int, iteration: int, step: int) -> None:
-        self._iteration = self._event()
-
-    def on_iteration(self, info) -> None:
-        self.pending.append(("iteration", self._iteration, self._event()))
-
-    def close(self) -> dict[str, float]:
-        """Total milliseconds per stage."""
-        for handle in self.handles:
-            handle.remove()
-        torch.cuda.synchronize()
-        totals: dict[str, float] = {}
-        for name, start, end in self.pending:
-            totals[name] = totals.get(name, 0.0) + start.elapsed_time(end)
-        return totals
+    for event in events:
+        if event.cpu_parent is None:
+            walk(event, "other")
+    return totals
 
 
 def run_once(
@@ -126,23 +116,20 @@ def bench_runtime(rt: Runtime, cfg: BenchConfig, label: str) -> dict[str, Any]:
     prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
     for _ in range(cfg.warmup_runs):
         run_once(rt, prompt, decode)
-    profiling = cfg.profile and rt.device.type == "cuda"
-    runs, offload, stages, outputs = [], [], {}, []
+    runs, offload, outputs = [], [], []
     for _ in range(cfg.runs):
-        profiler = StageProfiler(rt) if profiling else None
-        stats, off, tokens = run_once(rt, prompt, decode, [profiler] if profiler else ())
+        stats, off, tokens = run_once(rt, prompt, decode)
         runs.append(stats)
         outputs.append(tokens)
         offload += [off] if off is not None else []
-        for name, ms in (profiler.close() if profiler else {}).items():
-            stages[name] = stages.get(name, 0.0) + ms
-    row = summarise(label, runs, stages, offload)
+    row = summarise(label, runs, offload)
+    if cfg.profile and rt.device.type == "cuda":
+        row["stages_ms_per_iteration"] = stage_breakdown(rt, prompt, decode)
     row["output"] = hashlib.sha1(repr(outputs[0]).encode()).hexdigest()[:12]  # the tokens, short
     return row
 
 
-def summarise(label: str, runs: Sequence[Any], stages: dict[str, float],
-              offload: Sequence[dict] = ()) -> dict[str, Any]:  # fmt: skip
+def summarise(label: str, runs: Sequence[Any], offload: Sequence[dict] = ()) -> dict[str, Any]:
     ms = [m for s in runs for m in s.iteration_ms]
     iterations = sum(s.iterations for s in runs)
     tokens = sum(s.new_tokens for s in runs)
@@ -159,8 +146,6 @@ def summarise(label: str, runs: Sequence[Any], stages: dict[str, float],
     }
     if offload:
         row["offload"] = _offload_summary(list(offload), iterations)
-    if stages:
-        row["stages_ms_per_iteration"] = {k: v / iterations for k, v in sorted(stages.items())}
     return row
 
 
@@ -171,7 +156,7 @@ def _p90(values: list[float]) -> float:
 def _offload_summary(per_run: list[dict], iterations: int) -> dict[str, float]:
     """Means of the engine's rates; its totals per iteration."""
     out: dict[str, float] = {}
-    for key in ("hit_rate", "cpu_share", "host_us_per_layer"):
+    for key in ("hit_rate", "cpu_share", "host_us_per_layer", "sync_us_per_layer"):
         values = [float(o[key]) for o in per_run if key in o]
         if values:
             out[key] = statistics.fmean(values)
@@ -223,6 +208,8 @@ def table(rows: list[dict[str, Any]]):
         "CPU share",
         "stall ms/it",
         "copy ms/it",
+        "host µs/layer",
+        "sync µs/layer",
     ] * offload
     for col in cols:
         out.add_column(col, justify="left" if col == "config" else "right")
@@ -238,7 +225,9 @@ def table(rows: list[dict[str, Any]]):
                       _fmt(o.get("copy_bytes_per_iteration"), "{:.1f}", 1e-6),
                       _fmt(o.get("cpu_share"), "{:.1%}"),
                       _fmt(o.get("stall_ms_per_iteration"), "{:.2f}"),
-                      _fmt(o.get("copy_ms_per_iteration"), "{:.2f}")]  # fmt: skip
+                      _fmt(o.get("copy_ms_per_iteration"), "{:.2f}"),
+                      _fmt(o.get("host_us_per_layer"), "{:.0f}"),
+                      _fmt(o.get("sync_us_per_layer"), "{:.0f}")]  # fmt: skip
         out.add_row(*cells)
     return out
 
@@ -246,13 +235,19 @@ def table(rows: list[dict[str, Any]]):
 def stage_table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
-    names = sorted({k for r in rows for k in r.get("stages_ms_per_iteration", {})})
-    out = Table(show_edge=False, header_style="bold", title="ms per iteration by stage")
-    for col in ["config", *names]:
+    from oled.model.stages import STAGES
+
+    seen = {k for r in rows for k in r.get("stages_ms_per_iteration", {})}
+    names = [n for n in (*STAGES, "other") if n in seen]
+    title = "device ms per iteration by stage (kernels and copies; CPU experts: worker ms)"
+    out = Table(show_edge=False, header_style="bold", title=title)
+    for col in ["config", *names, "sum"]:
         out.add_column(col, justify="left" if col == "config" else "right")
     for r in rows:
         stages = r.get("stages_ms_per_iteration", {})
-        out.add_row(r["label"], *(_fmt(stages.get(n), "{:.3f}") for n in names))
+        total = sum(v for k, v in stages.items() if k != "CPU experts") if stages else None
+        out.add_row(r["label"], *(_fmt(stages.get(n), "{:.3f}") for n in names),
+                    _fmt(total, "{:.3f}"))  # fmt: skip
     return out
 
 

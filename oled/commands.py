@@ -17,6 +17,7 @@ from oled.options import (
     CacheOpt,
     DeviceOpt,
     DtypeOpt,
+    GraphsOpt,
     ModelOpt,
     RecipeOpt,
     ThresholdOpt,
@@ -26,12 +27,13 @@ from oled.options import (
 
 
 def spec_of(model: str, device: str, dtype: str, recipe: Path | None, cache_size: int | None,
-            **decode):  # fmt: skip
+            graphs: bool = True, **decode):  # fmt: skip
     from oled.decoding import DecodeConfig
     from oled.launch import RuntimeSpec
 
     return RuntimeSpec(model=model, device=device, dtype=dtype, recipe=recipe,
-                       cache_size=cache_size, decode=DecodeConfig(**decode))  # fmt: skip
+                       cache_size=cache_size, graphs=graphs,
+                       decode=DecodeConfig(**decode))  # fmt: skip
 
 
 @user_errors
@@ -41,6 +43,7 @@ def serve(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "bfloat16",
     cache_size: CacheOpt = None,
+    graphs: GraphsOpt = True,
     block_length: BlockOpt = 32,
     threshold: ThresholdOpt = 0.95,
     max_tokens: Annotated[
@@ -62,7 +65,7 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
     from oled.serve.command import run_server
 
-    spec = spec_of(model, device, dtype, recipe, cache_size, block_length=block_length,
+    spec = spec_of(model, device, dtype, recipe, cache_size, graphs, block_length=block_length,
                    threshold=threshold, max_new_tokens=max_tokens)  # fmt: skip
     run_server(spec, host=host, port=port, model_name=served_model_name,
                default_max_tokens=default_max_tokens, max_tokens=max_tokens, api_key=api_key)  # fmt: skip
@@ -75,6 +78,7 @@ def chat(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "bfloat16",
     cache_size: CacheOpt = None,
+    graphs: GraphsOpt = True,
     block_length: BlockOpt = 32,
     threshold: ThresholdOpt = 0.95,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per reply.")] = 256,
@@ -88,7 +92,7 @@ def chat(
     from oled.chat import ChatSession, run_chat, setup_readline
     from oled.launch import build
 
-    spec = spec_of(model, device, dtype, recipe, cache_size, block_length=block_length,
+    spec = spec_of(model, device, dtype, recipe, cache_size, graphs, block_length=block_length,
                    threshold=threshold, max_new_tokens=max_tokens, temperature=temperature,
                    seed=seed)  # fmt: skip
     t0 = time.perf_counter()
@@ -139,6 +143,7 @@ def bench(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "bfloat16",
     cache_size: CacheOpt = None,
+    graphs: GraphsOpt = True,
     gen_length: Annotated[int, typer.Option(help="Tokens generated per run.")] = 256,
     block_length: BlockOpt = 32,
     threshold: ThresholdOpt = 0.95,
@@ -149,7 +154,9 @@ def bench(
     warmup_runs: Annotated[int, typer.Option(help="Untimed runs first.")] = 1,
     runs: Annotated[int, typer.Option(help="Timed runs.")] = 3,
     seed: Annotated[int, typer.Option(help="Prompt seed.")] = 0,
-    profile: Annotated[bool, typer.Option(help="CUDA events per stage (GPU only).")] = False,
+    profile: Annotated[
+        bool, typer.Option(help="Device time per forward stage, from the profiler (GPU only).")
+    ] = False,
     report_dir: Annotated[Path | None, typer.Option(help="Write a JSON report here.")] = None,
 ) -> None:
     """Benchmark ms per iteration, tokens/s and offload figures; compare recipes side by side."""
@@ -163,9 +170,9 @@ def bench(
                         warmup_runs=warmup_runs, runs=runs, seed=seed, profile=profile)  # fmt: skip
     paths = [*(recipes or []), *([recipe] if recipe else [])]
     name = model.split(":", 1)[1] if model.startswith("builtin:") else Path(model).name
-    specs = [(p.stem, spec_of(model, device, dtype, p, None)) for p in paths] or [
+    specs = [(p.stem, spec_of(model, device, dtype, p, None, graphs)) for p in paths] or [
         (name if cache_size is None else f"{name} cache={cache_size}",
-         spec_of(model, device, dtype, None, cache_size))
+         spec_of(model, device, dtype, None, cache_size, graphs))
     ]  # fmt: skip
     for _, spec in specs:
         check(spec)
@@ -174,7 +181,7 @@ def bench(
         rt = build(spec)
         used = str(rt.device)
         if profile and rt.device.type != "cuda":
-            err_console.print(f"[yellow]--profile: CUDA events are unavailable on {rt.device}; "
+            err_console.print(f"[yellow]--profile: no device timeline on {rt.device}; "
                               "no per-stage breakdown[/yellow]")  # fmt: skip
         err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed runs, "
                           f"prompt {cfg.prompt_length}, {cfg.gen_length} tokens[/dim]")  # fmt: skip

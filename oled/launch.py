@@ -23,6 +23,7 @@ class RuntimeSpec:
     dtype: str = "bfloat16"
     recipe: Path | None = None
     cache_size: int | None = None
+    graphs: bool = True
     decode: DecodeConfig = DecodeConfig()
 
 
@@ -43,7 +44,7 @@ def build(spec: RuntimeSpec) -> Runtime:
         from oled.experiment.build import build as build_recipe
         from oled.recipe import load_recipe
 
-        return build_recipe(load_recipe(spec.recipe))
+        return build_recipe(load_recipe(spec.recipe), graphs=spec.graphs)
     if spec.cache_size is not None:
         from oled.model.config import ModelConfig
         from oled.offload.budget import Budget
@@ -53,9 +54,11 @@ def build(spec: RuntimeSpec) -> Runtime:
         budget = Budget(kind="expert_budget", value=spec.cache_size * layers)
         return build_runtime(
             model=spec.model, device=spec.device, dtype=spec.dtype, decode=spec.decode,
-            budget=budget,
+            budget=budget, graphs=spec.graphs,
         )  # fmt: skip
-    return load_runtime(spec.model, device=spec.device, dtype=spec.dtype, decode=spec.decode)
+    return load_runtime(
+        spec.model, device=spec.device, dtype=spec.dtype, decode=spec.decode, graphs=spec.graphs
+    )
 
 
 OFFLOAD_KEYS = ("hit_rate", "hits", "misses", "copies", "copy_bytes", "cpu_experts",

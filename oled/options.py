@@ -26,6 +26,14 @@ CacheOpt = Annotated[
 ]
 BlockOpt = Annotated[int, typer.Option("--block-length", help="Positions per diffusion block.")]
 ThresholdOpt = Annotated[float, typer.Option(help="Commit confidence threshold.")]
+GraphsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--graphs/--eager",
+        help="On CUDA, replay forwards as CUDA graphs (the same tokens); --eager launches "
+        "every kernel from Python.",
+    ),
+]
 
 
 def user_errors(fn):

@@ -102,6 +102,7 @@ class RuntimeSection(Strict):
     budget: BudgetSection = Field(default_factory=lambda: BudgetSection(resident=True))
     stage_capacity: int | None = Field(None, ge=1)
     cost: str = "calibrate"  # "calibrate" or a cost profile name such as "h200"
+    cuda_graphs: bool = True  # replay forwards as CUDA graphs on CUDA (the same tokens)
 
     @field_validator("device")
     @classmethod

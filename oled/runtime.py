@@ -15,6 +15,7 @@ import torch
 from oled.decoding import BlockDecoder, BlockInfo, DecodeConfig, DecodeObserver, GenerationStats
 from oled.model.checkpoint import Checkpoint, load_checkpoint
 from oled.model.experts import ResidentExperts
+from oled.model.graphs import EagerForward, GraphedForward
 from oled.model.presets import PRESETS, init_checkpoint
 from oled.offload.budget import Budget
 from oled.offload.engine import OffloadEngine
@@ -111,6 +112,7 @@ class Runtime:
         executor,
         decode: DecodeConfig,
         observers: Sequence[DecodeObserver] = (),
+        graphs: bool = True,
     ) -> None:
         self.checkpoint = checkpoint
         self.device = device
@@ -119,6 +121,11 @@ class Runtime:
         self.observers = list(observers)
         checkpoint.model.set_executor(executor)
         self.last_stats = GenerationStats()
+        self.forward = (
+            GraphedForward(checkpoint.model, executor)
+            if graphs and device.type == "cuda"
+            else EagerForward(checkpoint.model)
+        )
 
     @property
     def tokenizer(self):
@@ -156,6 +163,7 @@ class Runtime:
             mask_id=self.tokenizer.mask_id,
             stop_ids=self.tokenizer.stop_ids,
             observers=[*self.observers, *observers],
+            forward=self.forward,
         )
         self.last_stats = decoder.stats
         try:
@@ -211,11 +219,13 @@ def build_runtime(
     kv_tokens: int = 4096,
     decode: DecodeConfig | None = None,
     progress: bool = False,
+    graphs: bool = True,
 ) -> Runtime:
     """Load a model under a GPU budget with the given policies (missing ones get OLED's).
 
     The budget is checked against the config before any weight is read, so a budget that is too
-    small fails at once with the minimum it needs.
+    small fails at once with the minimum it needs. On CUDA, forwards replay as CUDA graphs
+    unless `graphs` is False (the same tokens either way).
     """
     from oled.model.config import ModelConfig
     from oled.offload.budget import total_slots
@@ -240,12 +250,15 @@ def build_runtime(
     decode = decode or DecodeConfig()
     if slots is None:
         executor = ResidentExperts(ckpt.experts, dev)
-        return Runtime(checkpoint=ckpt, device=dev, executor=executor, decode=decode)
+        return Runtime(checkpoint=ckpt, device=dev, executor=executor, decode=decode, graphs=graphs)
     planner = make_planner(
         ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost
     )
     engine = OffloadEngine(store=ckpt.experts, device=dev, planner=planner)
-    return Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine])
+    return Runtime(
+        checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine],
+        graphs=graphs,
+    )  # fmt: skip
 
 
 def make_planner(
@@ -280,6 +293,9 @@ def load_runtime(
     dtype: str = "bfloat16",
     decode: DecodeConfig | None = None,
     progress: bool = False,
+    graphs: bool = True,
 ) -> Runtime:
     """All experts resident on the device: the simplest runtime and the reference."""
-    return build_runtime(model=model, device=device, dtype=dtype, decode=decode, progress=progress)
+    return build_runtime(
+        model=model, device=device, dtype=dtype, decode=decode, progress=progress, graphs=graphs
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from oled.bench import (  # noqa: E402
     BenchConfig,
     bench_runtime,
     random_prompt,
+    stage_table,
     table,
     with_ratios,
     write_report,
@@ -52,12 +54,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/oled-mini-shape")
     ap.add_argument("--prompt-length", type=int, default=512)
+    ap.add_argument(
+        "--resident-prompts", default="", help="also time resident at these prompt lengths"
+    )
+    ap.add_argument(
+        "--graphs",
+        choices=["on", "off", "both"],
+        default="on",
+        help="CUDA graphs for the offloaded rows (resident always runs both)",
+    )
     ap.add_argument("--gen-length", type=int, default=64)
     ap.add_argument("--warmup-runs", type=int, default=1)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--budgets", default="0.5,0.25,0.125")
     ap.add_argument("--configs", default="all", help=f"comma-separated of: {', '.join(CONFIGS)}")
-    ap.add_argument("--profile", action="store_true", help="CUDA events per stage")
+    ap.add_argument("--profile", action="store_true", help="device time per forward stage")
     ap.add_argument("--report-dir", default="reports")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--cost", default="calibrate", help="cost model: calibrate or a profile")
@@ -70,34 +81,45 @@ def main() -> None:
         warmup_runs=args.warmup_runs, profile=args.profile,
     )  # fmt: skip
     decode = DecodeConfig(max_new_tokens=args.gen_length)
-    rt = Runtime(checkpoint=ckpt, device=dev, executor=ResidentExperts(ckpt.experts, dev),
-                 decode=decode)  # fmt: skip
-    rows = [bench_runtime(rt, cfg, "resident")]
-    if args.trace:
-        from oled.trace.commands import record_trace
+    resident = ResidentExperts(ckpt.experts, dev)
+    rows = []
+    for graphs in (True, False):
+        rt = Runtime(checkpoint=ckpt, device=dev, executor=resident, decode=decode, graphs=graphs)
+        mode = "graphs" if graphs else "eager"
+        rows.append(bench_runtime(rt, cfg, f"resident {mode}"))
+        for n in [int(n) for n in args.resident_prompts.split(",") if n]:
+            rows.append(bench_runtime(rt, replace(cfg, prompt_length=n), f"resident {mode} p{n}"))
+        if args.trace and not graphs:
+            from oled.trace.commands import record_trace
 
-        record_trace(rt, [random_prompt(rt, cfg.prompt_length, cfg.seed)], Path(args.trace))
-    del rt
+            record_trace(rt, [random_prompt(rt, cfg.prompt_length, cfg.seed)], Path(args.trace))
+        print(f"done: resident {mode}", flush=True)
+        del rt
+    del resident
     torch.cuda.empty_cache() if dev.type == "cuda" else None
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
     names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
     for frac in [float(f) for f in args.budgets.split(",")]:
         budget = Budget("expert_fraction", frac)
         slots = total_slots(budget, ckpt.config, dtype=torch.bfloat16, device=dev)
-        for name in names:
+        for name, graphs in [(n, g) for n in names for g in modes]:
             p = CONFIGS[name]()
             planner = make_planner(
                 ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], args.cost
             )
             engine = OffloadEngine(store=ckpt.experts, device=dev, planner=planner)
             rt = Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=decode,
-                         observers=[engine])  # fmt: skip
-            rows.append(bench_runtime(rt, cfg, f"{name} @ {frac:g}"))
+                         observers=[engine], graphs=graphs)  # fmt: skip
+            label = f"{name} @ {frac:g}" + ("" if graphs else " eager")
+            rows.append(bench_runtime(rt, cfg, label))
             engine.close()
-            print(f"done: {name} @ {frac:g}", flush=True)
+            print(f"done: {label}", flush=True)
             del rt, engine, planner
             torch.cuda.empty_cache() if dev.type == "cuda" else None
     console = Console(highlight=False, width=200)
     console.print(table(with_ratios(rows)))
+    if args.profile:
+        console.print(stage_table(rows))
     print(f"report: {write_report(Path(args.report_dir), cfg, rows, str(dev))}")
 
 

@@ -19,7 +19,9 @@ import torch
 from torch import Tensor
 
 from oled.decoding.observers import BlockInfo, DecodeObserver, IterationInfo
-from oled.model.model import KVCache, LLaDA2Model
+from oled.model.graphs import EagerForward
+from oled.model.model import LLaDA2Model
+from oled.model.stages import stage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,8 +95,10 @@ class BlockDecoder:
         mask_id: int,
         stop_ids: Sequence[int] = (),
         observers: Sequence[DecodeObserver] = (),
+        forward: EagerForward | None = None,
     ) -> None:
         self.model = model
+        self.forward = forward or EagerForward(model)
         self.mask_id = mask_id
         self.stop_ids = set(stop_ids)
         self.observers = list(observers)
@@ -122,7 +126,7 @@ class BlockDecoder:
             raise ValueError(f"prompt + answer need {total} positions; the model allows {limit}")
         seq = torch.full((1, total), self.mask_id, dtype=torch.long, device=device)  # [1, S]
         seq[0, :p] = torch.tensor(list(prompt), dtype=torch.long, device=device)
-        cache = self._new_cache(total, device) if cfg.use_cache else None
+        cache = self.forward.new_cache(total, device) if cfg.use_cache else None
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature else None
         self.stats = GenerationStats(prompt_tokens=p)
         self._emit("on_generation_start", p)
@@ -130,10 +134,6 @@ class BlockDecoder:
             yield from self._blocks(seq, p, first, n_blocks, cfg, cache, gen, cancelled)
         finally:
             self._emit("on_generation_end")
-
-    def _new_cache(self, total: int, device) -> KVCache:
-        dtype = self.model.model.word_embeddings.weight.dtype
-        return KVCache(self.model.config, max_len=total, batch=1, dtype=dtype, device=device)
 
     def _blocks(self, seq, p, first, n_blocks, cfg, cache, gen, cancelled) -> Iterator[BlockInfo]:
         bl = cfg.block_length
@@ -187,10 +187,11 @@ class BlockDecoder:
             self._emit("on_iteration_start", b, it, self.stats.iterations)
             t0 = time.perf_counter()
             logits, ran = self._forward(seq, start, end, cache, bl)  # [L, V], tokens run
-            conf, tokens = _confidence(logits, cfg.temperature, gen)  # [L], [L]
-            commit = _commit(conf, masked, cfg.threshold)  # [L] bool
-            seq[0, start:end] = torch.where(commit, tokens, seq[0, start:end])
-            still = seq[0, start:end] == self.mask_id  # [L]
+            with stage("decode step"):
+                conf, tokens = _confidence(logits, cfg.temperature, gen)  # [L], [L]
+                commit = _commit(conf, masked, cfg.threshold)  # [L] bool
+                seq[0, start:end] = torch.where(commit, tokens, seq[0, start:end])
+                still = seq[0, start:end] == self.mask_id  # [L]
             open_ = bool(still.any())  # the iteration's host sync
             seconds = time.perf_counter() - t0
             self.stats.iterations += 1
@@ -212,10 +213,12 @@ class BlockDecoder:
     def _forward(self, seq, start, end, cache, bl) -> tuple[Tensor, int]:
         """Block logits [L, V]; with a cache, pending prefix tokens run in the same forward."""
         if cache is None:
-            logits = self.model(seq[:, :end], start=0, block_length=bl, logits_from=start)
+            logits = self.forward(
+                seq[:, :end], start=0, cache=None, block_length=bl, logits_from=start
+            )
             return logits[0], end
         past = cache.length
-        logits = self.model(
+        logits = self.forward(
             seq[:, past:end], start=past, cache=cache, block_length=bl, logits_from=start - past
         )
         cache.length = start  # keep the prefix (now including any pending tokens), drop the block

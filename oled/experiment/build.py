@@ -25,8 +25,9 @@ def build_budget(section: BudgetSection) -> Any:
     return Budget(kind=kind, value=None if value is True else value)
 
 
-def build(recipe: Recipe) -> Any:
-    """A ready runtime for `recipe` (policies are None when every expert is resident)."""
+def build(recipe: Recipe, *, graphs: bool = True) -> Any:
+    """A ready runtime for `recipe` (policies are None when every expert is resident); CUDA
+    graphs when both the recipe and `graphs` allow them."""
     from oled.decoding import DecodeConfig
     from oled.runtime import build_runtime
 
@@ -45,6 +46,7 @@ def build(recipe: Recipe) -> Any:
         cost=rt.cost,
         cpu_threads=rt.cpu_threads,
         decode=DecodeConfig(**recipe.decoding.model_dump()),
+        graphs=graphs and rt.cuda_graphs,
         **optional,
         **policies,
     )

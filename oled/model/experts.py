@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from oled.model.stages import stage
+
 _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
@@ -93,20 +95,22 @@ def expert_pairs(x: Tensor, slots: Tensor, weights: Tensor, w13: Tensor, w2: Ten
 
     x [T, H]; slots [T, K] int64 row of each pair in the table, -1 for pairs computed elsewhere;
     weights [T, K] fp32; w13 [S, 2I, H]; w2 [S, H, I]. Returns [T, K, H] fp32 with zeros where
-    slots < 0. No host sync and static shapes: one sort, two grouped GEMMs, one scatter.
+    slots < 0. No host sync and static shapes (so CUDA graphs can capture it): one sort, a
+    searchsorted for the group offsets, two grouped GEMMs, one scatter.
     """
     t, k = slots.shape
     s = w13.shape[0]
     flat = slots.reshape(-1)  # [T*K]
     flat = torch.where(flat < 0, s, flat)  # pairs done elsewhere sort last, past every group
     order = torch.argsort(flat, stable=True)  # [T*K]
-    counts = torch.bincount(flat, minlength=s + 1)[:s]  # [S]
-    offs = torch.cumsum(counts, 0).to(torch.int32)  # [S]
+    grouped = flat[order]  # [T*K] slot of each pair, ascending
+    ends = torch.arange(1, s + 1, device=flat.device)  # [S]
+    offs = torch.searchsorted(grouped, ends, out_int32=True)  # [S] end of each slot's rows
     xs = x[order // k]  # [T*K, H] tokens grouped by slot
     h = grouped_mm(xs, w13.transpose(-2, -1), offs)  # [T*K, 2I]
     gate, up = h.chunk(2, dim=-1)
     y = grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs)  # [T*K, H]
-    valid = (flat[order] < s).unsqueeze(-1)  # [T*K, 1]
+    valid = (grouped < s).unsqueeze(-1)  # [T*K, 1]
     y = torch.where(valid, y.float() * weights.reshape(-1)[order].unsqueeze(-1), 0.0)
     out = torch.empty(t * k, x.shape[-1], dtype=torch.float32, device=x.device)
     out[order] = y
@@ -121,9 +125,13 @@ def combine(pairs: Tensor, dtype: torch.dtype) -> Tensor:
 class ResidentExperts:
     """Every routed expert on the compute device: the latency floor, and the reference."""
 
+    graph_safe = True  # no host decision: a whole forward can be one CUDA graph
+
     def __init__(self, store: ExpertStore, device: torch.device | str) -> None:
         self.table = store.to(device)
 
     def __call__(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        pairs = expert_pairs(x, ids, weights, self.table.w13[layer], self.table.w2[layer])
-        return combine(pairs, x.dtype)
+        with stage("grouped GEMM"):
+            pairs = expert_pairs(x, ids, weights, self.table.w13[layer], self.table.w2[layer])
+        with stage("combine"):
+            return combine(pairs, x.dtype)

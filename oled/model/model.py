@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -10,6 +11,7 @@ from torch import Tensor, nn
 
 from oled.model.config import ModelConfig
 from oled.model.layers import MLP, Attention, RMSNorm, Rotary, Router
+from oled.model.stages import stage
 
 
 class ExpertExecutor(Protocol):
@@ -19,6 +21,19 @@ class ExpertExecutor(Protocol):
 
 
 RoutingHook = Callable[[int, Tensor, Tensor], None]  # (moe layer, ids [T, K], weights [T, K])
+
+
+@dataclass
+class MoERequest:
+    """What a forward needs from the expert executor at one MoE layer."""
+
+    layer: int  # MoE layer index
+    x: Tensor  # [T, H] the layer's normed input
+    ids: Tensor  # [T, K] routed expert ids
+    weights: Tensor  # [T, K] fp32 gate weights
+
+
+ForwardSteps = Generator[MoERequest, Tensor, Tensor]  # yields requests, is sent [T, H] routed
 
 
 class KVCache:
@@ -52,15 +67,26 @@ class MoE(nn.Module):
         self.hooks: list[RoutingHook] = []
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, h = x.shape
-        flat = x.reshape(b * t, h)  # [T, H]
+        request = self.route(x)
+        return self.finish(x, request, self.execute(request))
+
+    def route(self, x: Tensor) -> MoERequest:
+        """x [B, T, H] -> the routing of its T = B*T rows."""
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]
         ids, weights = self.gate(flat)  # [T, K], [T, K]
+        return MoERequest(self.moe_index, flat, ids, weights)
+
+    def execute(self, request: MoERequest) -> Tensor:
+        """The routed experts' sum [T, H] through the hooks and the attached executor."""
         for hook in self.hooks:
-            hook(self.moe_index, ids, weights)
+            hook(self.moe_index, request.ids, request.weights)
         if self.executor is None:
             raise RuntimeError("no expert executor attached: load the model through load_model()")
-        routed = self.executor(self.moe_index, flat, ids, weights)  # [T, H]
-        return (routed + self.shared_experts(flat)).view(b, t, h)
+        return self.executor(self.moe_index, request.x, request.ids, request.weights)
+
+    def finish(self, x: Tensor, request: MoERequest, routed: Tensor) -> Tensor:
+        """Routed [T, H] plus the shared expert, in x's shape [B, T, H]."""
+        return (routed + self.shared_experts(request.x)).view(x.shape)
 
 
 class DecoderLayer(nn.Module):
@@ -77,8 +103,12 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, x, rotary, cos, sin, kv, past, mask) -> Tensor:
-        x = x + self.attention(self.input_layernorm(x), rotary, cos, sin, kv, past, mask)
+        x = self.attend(x, rotary, cos, sin, kv, past, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def attend(self, x, rotary, cos, sin, kv, past, mask) -> Tensor:
+        """The attention half with its residual: x [B, T, H] -> [B, T, H]."""
+        return x + self.attention(self.input_layernorm(x), rotary, cos, sin, kv, past, mask)
 
 
 class Backbone(nn.Module):
@@ -134,20 +164,60 @@ class LLaDA2Model(nn.Module):
         the cache's first `start` positions are the prefix and the new tokens' keys and values are
         written after it (the caller decides how many of them to keep by setting cache.length).
         """
+        steps = self.steps(
+            tokens, start=start, cache=cache, block_length=block_length, logits_from=logits_from
+        )
+        return drive(steps, lambda request: self.moe_blocks[request.layer].execute(request))
+
+    def steps(
+        self,
+        tokens: Tensor,
+        *,
+        start: int = 0,
+        cache: KVCache | None = None,
+        block_length: int = 32,
+        logits_from: int = 0,
+    ) -> ForwardSteps:
+        """`forward` as a generator: it yields each MoE layer's request and is sent the routed
+        sum [T, H]; it returns the logits. Whoever drives it decides how experts are computed
+        (eagerly through the executor, or as pieces of CUDA graphs: oled.model.graphs)."""
         b, t = tokens.shape
         if cache is not None and cache.length != start:
             raise ValueError(f"cache holds {cache.length} tokens but start is {start}")
         if cache is None and start != 0:
             raise ValueError("without a cache the tokens must start at position 0")
-        positions = torch.arange(start, start + t, device=tokens.device)  # [T]
-        mask = block_causal_mask(start, t, block_length, tokens.device)  # [T, start + T] or None
-        x = self.model.word_embeddings(tokens)  # [B, T, H]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        with stage("embedding"):
+            positions = torch.arange(start, start + t, device=tokens.device)  # [T]
+            mask = block_causal_mask(start, t, block_length, tokens.device)  # [T, S] or None
+            x = self.model.word_embeddings(tokens)  # [B, T, H]
+            cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             kv = cache.layer(i) if cache is not None else None
-            x = layer(x, self.rotary, cos, sin, kv, start, mask)
-        x = self.model.norm(x[:, logits_from:])
-        return self.lm_head(x).float()
+            with stage("attention"):
+                x = layer.attend(x, self.rotary, cos, sin, kv, start, mask)
+            if isinstance(layer.mlp, MoE):
+                with stage("routing"):
+                    h = layer.post_attention_layernorm(x)
+                    request = layer.mlp.route(h)
+                routed = yield request
+                with stage("shared expert"):
+                    x = x + layer.mlp.finish(h, request, routed)
+            else:
+                with stage("dense MLP"):
+                    x = x + layer.mlp(layer.post_attention_layernorm(x))
+        with stage("lm head"):
+            x = self.model.norm(x[:, logits_from:])
+            return self.lm_head(x).float()
+
+
+def drive(steps: ForwardSteps, routed: Callable[[MoERequest], Tensor]) -> Tensor:
+    """Run a forward's steps, answering each MoE request with `routed(request)`; the logits."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(routed(request))
+    except StopIteration as done:
+        return done.value
 
 
 def block_causal_mask(start: int, t: int, block_length: int, device) -> Tensor | None:

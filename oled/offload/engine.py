@@ -20,6 +20,9 @@ from torch import Tensor
 
 from oled.decoding.observers import BlockInfo, DecodeObserver, IterationInfo
 from oled.model.experts import ExpertStore, combine, expert_pairs
+from oled.model.graphs import Graphs
+from oled.model.model import MoERequest
+from oled.model.stages import stage
 from oled.offload.metrics import EngineMetrics
 from oled.offload.planner import LayerPlan, Planner, Resize
 from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, Load, StepContext
@@ -56,6 +59,8 @@ class OffloadEngine(DecodeObserver):
         self._routing: list[tuple[np.ndarray, np.ndarray] | None] = [None] * layers
         self._events: list[tuple[int, torch.cuda.Event, ...]] = []
         self._copy_busy = self._cpu_busy = 0.0
+        self._static_io: dict[tuple[int, int], tuple[MoERequest, Tensor]] = {}
+        self.graphs = Graphs() if self.cuda else None  # the GPU passes of static layer calls
         self._prefill()
 
     def _table(self, rows: int, which: int, dtype) -> Tensor:
@@ -75,23 +80,65 @@ class OffloadEngine(DecodeObserver):
 
     def __call__(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """x [T, H], ids [T, K], weights [T, K] fp32 -> routed expert sum [T, H] in x.dtype."""
+        pairs = self._layer(layer, MoERequest(layer, x, ids, weights), None)
+        with stage("combine"):
+            return combine(pairs, x.dtype)
+
+    def static_request(self, layer: int, tokens: int) -> MoERequest:
+        return self._static(layer, tokens)[0]
+
+    def static_pairs(self, layer: int, tokens: int) -> Tensor:
+        return self._static(layer, tokens)[1]
+
+    def run_static(self, layer: int, tokens: int) -> None:
+        """The layer from its static request into its static pairs; the GPU passes replay as
+        CUDA graphs (oled.model.graphs), the host decision and any CPU or staged experts run
+        eagerly between them."""
+        request, pairs = self._static(layer, tokens)
+        self._layer(layer, request, pairs)
+
+    def _static(self, layer: int, tokens: int) -> tuple[MoERequest, Tensor]:
+        """Static request buffers and pairs buffer [T, K, H] fp32 of (layer, tokens)."""
+        key = (layer, tokens)
+        if key not in self._static_io:
+            h = self.store.w13[0].shape[2]
+            k = self.planner.top_k
+            dev, dtype = self.device, self.store.w13[0].dtype
+            request = MoERequest(
+                layer,
+                torch.zeros(tokens, h, dtype=dtype, device=dev),
+                torch.zeros(tokens, k, dtype=torch.long, device=dev),
+                torch.zeros(tokens, k, dtype=torch.float32, device=dev),
+            )
+            pairs = torch.zeros(tokens, k, h, dtype=torch.float32, device=dev)
+            self._static_io[key] = (request, pairs)
+        return self._static_io[key]
+
+    def _layer(self, layer: int, r: MoERequest, into: Tensor | None) -> Tensor:
+        """The host decision and every expert pass of one layer: pairs [T, K, H] fp32, written
+        into `into` (static, GPU passes as graphs) or a new tensor (eager)."""
         t0 = time.perf_counter()
-        k = ids.shape[1]
-        packed = torch.cat([ids.to(torch.float32), weights], dim=1).cpu()  # [T, 2K]: the sync
+        k = r.ids.shape[1]
+        with stage("routing to host"):
+            packed = torch.cat([r.ids.to(torch.float32), r.weights], dim=1).cpu()  # [T, 2K]
+        t1 = time.perf_counter()  # the layer's one sync is over
         ids_np = packed[:, :k].numpy().astype(np.int64)  # [T, K]
         w_np = packed[:, k:].numpy()  # [T, K]
         self._routing[layer] = (ids_np, w_np)
-        plan = self.planner.plan(layer, ids_np, w_np, self._load())
-        cpu_job = self._start_cpu(layer, x, ids_np, packed[:, k:], plan)
-        ready = self._copy(layer, plan)
-        maps = self._upload_maps(layer, plan)  # [rows, E] on the device
-        pairs = self._gpu_pairs(layer, x, ids, weights, maps, plan, ready)  # [T, K, H] fp32
-        self._account(layer, plan, time.perf_counter() - t0)
+        with stage("host decision"):
+            plan = self.planner.plan(layer, ids_np, w_np, self._load())
+            cpu_job = self._start_cpu(layer, r.x, ids_np, packed[:, k:], plan)
+            ready = self._copy(layer, plan)
+            maps = self._upload_maps(layer, plan)  # [rows, E] on the device
+        with stage("grouped GEMM"):
+            pairs = self._gpu_pairs(r, maps, plan, ready, into)  # [T, K, H] fp32
+        self._account(layer, plan, t1 - t0, time.perf_counter() - t1)
         if cpu_job is not None:
-            cpu_pairs, cpu_ms = cpu_job.result()
-            self.metrics.add(layer, cpu_ms=cpu_ms)
-            pairs = pairs + cpu_pairs.to(self.device, non_blocking=True)
-        return combine(pairs, x.dtype)
+            with stage("CPU experts"):
+                cpu_pairs, cpu_ms = cpu_job.result()
+                self.metrics.add(layer, cpu_ms=cpu_ms)
+                pairs.add_(cpu_pairs.to(self.device, non_blocking=True))
+        return pairs
 
     def _load(self) -> Load:
         now = 1000 * time.perf_counter()
@@ -120,21 +167,38 @@ class OffloadEngine(DecodeObserver):
         dev[:used].copy_(host[:used], non_blocking=True)
         return dev
 
-    def _gpu_pairs(self, layer, x, ids, weights, maps, plan, ready) -> Tensor:
-        """Hits at once; experts copied now after their copy event; staged ones in rounds."""
-        pairs = expert_pairs(x, maps[HIT][ids], weights, self.w13[layer], self.w2[layer])
+    def _gpu_pairs(self, r: MoERequest, maps, plan, ready, into: Tensor | None) -> Tensor:
+        """Hits at once; experts copied now after their copy event; staged ones in rounds.
+        With a static `into`, the two slot-table passes replay as CUDA graphs."""
+        static = into is not None and self.graphs is not None
+        pairs = self._pass(r, HIT, maps, into, static)
         if len(plan.copy_experts):
             if ready is not None:  # wait for this layer's copies only now, after the hits
                 stream = torch.cuda.current_stream(self.device)
                 start = _event(stream)
                 stream.wait_event(ready)
-                self._events.append((layer, start, _event(stream)))
-            pairs = pairs + expert_pairs(
-                x, maps[COPIED][ids], weights, self.w13[layer], self.w2[layer]
-            )
+                self._events.append((r.layer, start, _event(stream)))
+            self._pass(r, COPIED, maps, pairs, static)
         if len(plan.stage_experts):
-            pairs = pairs + self._staged_pairs(layer, x, ids, weights, maps, plan)
+            pairs.add_(self._staged_pairs(r.layer, r.x, r.ids, r.weights, maps, plan))
         return pairs
+
+    def _pass(self, r: MoERequest, row: int, maps: Tensor, into: Tensor | None, static: bool):
+        """The pairs of the experts that maps[row] places in the layer's slot table: a new
+        tensor when `into` is None, else written (row HIT) or added (COPIED) into `into`; a
+        CUDA graph replay when `static` (r and `into` are the layer's static buffers)."""
+
+        def compute() -> Tensor:
+            slots = maps[row][r.ids]  # [T, K]
+            pairs = expert_pairs(r.x, slots, r.weights, self.w13[r.layer], self.w2[r.layer])
+            if into is None:
+                return pairs
+            return into.copy_(pairs) if row == HIT else into.add_(pairs)
+
+        if not static:
+            return compute()
+        self.graphs.run((r.layer, r.x.shape[0], row), compute)
+        return into
 
     def _staged_pairs(self, layer, x, ids, weights, maps, plan: LayerPlan) -> Tensor:
         """Experts that found no cache slot, through the stage in rounds of its capacity."""
@@ -180,6 +244,10 @@ class OffloadEngine(DecodeObserver):
 
     def _launch_copies(self, layer, experts, slots, w13: Tensor, w2: Tensor) -> None:
         """One copy per tensor of each expert, host (pinned) -> slot, on the copy stream."""
+        with stage("copies"):
+            self._launch(layer, experts, slots, w13, w2)
+
+    def _launch(self, layer, experts, slots, w13: Tensor, w2: Tensor) -> None:
         src13, src2 = self.store.w13[layer], self.store.w2[layer]
         dst = [w13[s] for s in slots.tolist()] + [w2[s] for s in slots.tolist()]
         src = [src13[e] for e in experts.tolist()] + [src2[e] for e in experts.tolist()]
@@ -210,7 +278,8 @@ class OffloadEngine(DecodeObserver):
             out = expert_pairs(x, slots, weights, self.store.w13[layer], self.store.w2[layer])
         return out, 1000 * (time.perf_counter() - t0)
 
-    def _account(self, layer: int, plan: LayerPlan, seconds: float) -> None:
+    def _account(self, layer: int, plan: LayerPlan, sync_s: float, host_s: float) -> None:
+        """Count the layer's plan; sync_s: routing to host, host_s: decisions and launches."""
         n_copy = len(plan.copy_experts) + len(plan.stage_experts)
         self.metrics.add(
             layer,
@@ -222,7 +291,8 @@ class OffloadEngine(DecodeObserver):
             cpu_experts=len(plan.cpu_experts),
             cpu_tokens=int(plan.cpu_tokens.sum()),
             gpu_experts=len(plan.gpu_experts) + len(plan.stage_experts),
-            host_ms=1000 * seconds,
+            sync_ms=1000 * sync_s,
+            host_ms=1000 * host_s,
         )
         self.metrics.layer_calls += 1
 
@@ -249,7 +319,10 @@ class OffloadEngine(DecodeObserver):
             self._resize(resize)
 
     def _resize(self, r: Resize) -> None:
-        """Give a layer a slot table of the new capacity, moving the kept experts over."""
+        """Give a layer a slot table of the new capacity, moving the kept experts over (the
+        layer's graphs, which hold the old table's address, are dropped)."""
+        if self.graphs is not None:
+            self.graphs.drop(keep=lambda key: key[0] != r.layer)
         for tables, which in ((self.w13, 0), (self.w2, 1)):
             old = tables[r.layer]
             new = self._table(r.capacity, which, old.dtype)

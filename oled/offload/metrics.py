@@ -6,7 +6,7 @@ import numpy as np
 
 FIELDS = (
     "hits", "misses", "copies", "copy_bytes", "staged", "cpu_experts", "cpu_tokens",
-    "gpu_experts", "stall_ms", "copy_ms", "cpu_ms", "host_ms",
+    "gpu_experts", "stall_ms", "copy_ms", "cpu_ms", "sync_ms", "host_ms",
 )  # fmt: skip
 
 
@@ -15,8 +15,10 @@ class EngineMetrics:
 
     hits / misses count distinct experts needed by a layer in a forward; copies include
     prefetches; stall_ms is the time the compute stream waited for copies (CUDA events);
-    copy_ms the copy stream's busy time; cpu_ms the CPU workers' expert time; host_ms the
-    host decision path (routing to host, planning, launching) per layer call.
+    copy_ms the copy stream's busy time; cpu_ms the CPU workers' expert time; sync_ms the wait
+    for the routing to reach the host (the layer's one sync, which also waits for the GPU work
+    queued before it); host_ms the host decision path after it (planning, launching copies,
+    compute and CPU experts).
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -50,6 +52,7 @@ class EngineMetrics:
         experts = out["gpu_experts"] + out["cpu_experts"]
         out["cpu_share"] = out["cpu_experts"] / experts if experts else 0.0
         out["host_us_per_layer"] = 1000 * out["host_ms"] / max(1, self.layer_calls)
+        out["sync_us_per_layer"] = 1000 * out["sync_ms"] / max(1, self.layer_calls)
         out["per_layer"] = [
             {name: float(self.layer[m, i]) for i, name in enumerate(FIELDS)}
             | {"hit_rate": _rate(self.layer[m])}

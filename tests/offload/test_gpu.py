@@ -21,12 +21,25 @@ def tokens(rt):
 
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
-    return tokens(load_runtime(str(tiny_dir), device="cuda", dtype="bfloat16"))
+    """Eager, every expert resident: the reference tokens."""
+    return tokens(load_runtime(str(tiny_dir), device="cuda", dtype="bfloat16", graphs=False))
 
 
+def test_graphed_resident_is_bit_exact_and_replays(tiny_dir, reference):
+    """The whole forward as one CUDA graph per shape: the eager tokens, and graphs reused."""
+    rt = load_runtime(str(tiny_dir), device="cuda", dtype="bfloat16")
+    assert tokens(rt) == reference
+    captures = rt.forward.graphs.captures
+    assert rt.forward.replays > 0 and captures > 0
+    assert tokens(rt) == reference
+    assert rt.forward.graphs.captures == captures, "the same prompts captured new graphs"
+
+
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("frac", [0.125, 0.5])
-def test_gpu_only_policies_are_bit_exact(tiny_dir, reference, frac):
-    """Hits, cached copies and staged copies all run on the GPU: the resident tokens exactly.
+def test_gpu_only_policies_are_bit_exact(tiny_dir, reference, frac, graphs):
+    """Hits, cached copies and staged copies all run on the GPU: the resident tokens exactly,
+    eagerly and as graph pieces around each layer's host decision.
 
     A 4-slot stage is far smaller than a layer's misses at 12.5%, so staged experts go through
     it in several rounds; none may fall back to the CPU.
@@ -35,6 +48,7 @@ def test_gpu_only_policies_are_bit_exact(tiny_dir, reference, frac):
         model=str(tiny_dir), device="cuda", dtype="bfloat16", cost="h200",
         budget=Budget("expert_fraction", frac), allocation=A.UniformAllocation(),
         retention=R.LRURetention(), compensation=C.TransferOnly(), stage_capacity=4,
+        graphs=graphs,
     )  # fmt: skip
     try:
         got = tokens(rt)
@@ -42,6 +56,21 @@ def test_gpu_only_policies_are_bit_exact(tiny_dir, reference, frac):
         assert s["cpu_experts"] == 0, "GPU-only policies fell back to CPU experts"
         assert s["copies"] > 0 and s["staged"] > 0
         assert got == reference
+        assert (rt.forward.replays > 0) == graphs
+    finally:
+        rt.close()
+
+
+def test_graphed_adaptive_allocation_is_bit_exact(tiny_dir, reference):
+    """Re-sized slot tables drop their layer's graphs; the tokens stay the resident ones."""
+    rt = build_runtime(
+        model=str(tiny_dir), device="cuda", dtype="bfloat16", cost="h200",
+        budget=Budget("expert_fraction", 0.25), allocation=A.AdaptiveAllocation(min_shift=0),
+        retention=R.LRURetention(), compensation=C.TransferOnly(),
+    )  # fmt: skip
+    try:
+        assert tokens(rt) == reference
+        assert rt.forward.replays > 0
     finally:
         rt.close()
 

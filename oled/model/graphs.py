@@ -1,0 +1,235 @@
+"""CUDA graphs for the decoder's forwards: the same kernels, without the launch overhead.
+
+A cached forward has static shapes once its token count, start position and logits offset are
+fixed, so it is captured once per such key and replayed from then on. Its inputs are copied into
+a static token buffer, and the KV cache is one persistent buffer that every generation reuses,
+so a graph's addresses stay valid. The graphs run exactly the eager kernels in the same order,
+so a graphed forward gives the eager forward's logits bit for bit.
+
+Two shapes of capture, chosen by the expert executor:
+
+- whole: an executor that needs no host decision (`ResidentExperts`, `graph_safe = True`) is
+  captured inside one graph per key;
+- pieces: an executor that decides on the host per MoE layer (the offload engine) gets one graph
+  per stretch between two routings (attention, routing, the previous layer's combine, ...). The
+  engine runs its decision eagerly between the pieces and replays its own graphs for the
+  expert computation (`PiecewiseExecutor`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from oled.model.experts import combine
+from oled.model.model import KVCache, LLaDA2Model, MoERequest, drive
+
+
+class PiecewiseExecutor(Protocol):
+    """An executor that decides on the host per layer, between replayed graph pieces."""
+
+    def static_request(self, layer: int, tokens: int) -> MoERequest:
+        """Static buffers that the graph piece ending at this MoE layer fills."""
+        ...
+
+    def static_pairs(self, layer: int, tokens: int) -> Tensor:
+        """The static [T, K, H] fp32 buffer that `run_static` leaves the layer's pairs in."""
+        ...
+
+    def run_static(self, layer: int, tokens: int) -> None:
+        """Decide and compute the layer from its static request into its static pairs, in the
+        current stream's order."""
+        ...
+
+
+class Graphs:
+    """CUDA graphs by key, captured on first use into one shared memory pool."""
+
+    def __init__(self, *, max_graphs: int = 4096) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()
+        self.graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()
+        self.max_graphs = max_graphs
+        self.captures = 0
+
+    def run(self, key: Hashable, fn: Callable[[], object]) -> None:
+        """Replay the graph of `key`, capturing `fn` first if there is none."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph, _ = self.capture(fn)
+            self.put(key, graph)
+        graph.replay()
+
+    def capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Capture `fn` (not run) on the capture stream; the graph and fn's result."""
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+        current.wait_stream(self.stream)
+        self.captures += 1
+        return graph, out
+
+    def put(self, key: Hashable, graph: torch.cuda.CUDAGraph) -> None:
+        self.graphs[key] = graph
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+
+    def drop(self, keep: Callable[[Hashable], bool] = lambda key: False) -> None:
+        """Forget every graph whose key `keep` rejects (all of them by default)."""
+        for key in [k for k in self.graphs if not keep(k)]:
+            del self.graphs[key]
+
+
+@dataclass
+class _Captured:
+    tokens: Tensor  # [B, T] static input
+    logits: Tensor  # [B, T - logits_from, V] static output
+    pieces: list[torch.cuda.CUDAGraph]  # one graph (whole) or one per stretch (pieces)
+    layers: list[int]  # MoE layer answered after pieces[i] (pieces mode)
+
+
+class EagerForward:
+    """The plain forward: a fresh KV cache per generation, the model's own executor."""
+
+    graphed = False
+
+    def __init__(self, model: LLaDA2Model) -> None:
+        self.model = model
+
+    def new_cache(self, total: int, device) -> KVCache:
+        dtype = self.model.model.word_embeddings.weight.dtype
+        return KVCache(self.model.config, max_len=total, batch=1, dtype=dtype, device=device)
+
+    def __call__(
+        self, tokens: Tensor, *, start: int, cache: KVCache | None, block_length: int,
+        logits_from: int,
+    ) -> Tensor:  # fmt: skip
+        return self.model(
+            tokens, start=start, cache=cache, block_length=block_length, logits_from=logits_from
+        )
+
+
+class GraphedForward(EagerForward):
+    """Cached forwards replayed as CUDA graphs over one persistent KV cache.
+
+    The first forward of the runtime runs eagerly (it initialises libraries and kernels); after
+    that each new (tokens, start, block, logits offset) key is captured once. Forwards without a
+    cache, or while routing hooks are attached (trace recording), run eagerly.
+    """
+
+    graphed = True
+
+    def __init__(self, model: LLaDA2Model, executor, *, max_keys: int = 256) -> None:
+        super().__init__(model)
+        self.executor = executor
+        self.whole = bool(getattr(executor, "graph_safe", False))
+        self.graphs = Graphs()
+        self.captured: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.max_keys = max_keys
+        self.cache: KVCache | None = None
+        self.warm = False
+        self.failed: str | None = None
+        self.replays = 0
+
+    def new_cache(self, total: int, device) -> KVCache:
+        """The persistent cache, grown (and every graph dropped) when `total` does not fit."""
+        if self.cache is None or self.cache.max_len < total:
+            size = max(total, 2 * self.cache.max_len) if self.cache else total
+            self.captured.clear()
+            self.cache = None  # free the old buffers first
+            self.cache = super().new_cache(size, device)
+        self.cache.length = 0
+        return self.cache
+
+    def __call__(
+        self, tokens: Tensor, *, start: int, cache: KVCache | None, block_length: int,
+        logits_from: int,
+    ) -> Tensor:  # fmt: skip
+        eager = cache is None or cache is not self.cache or self._hooked() or not self.warm
+        if eager or self.failed:
+            self.warm = self.warm or cache is not None
+            return super().__call__(
+                tokens, start=start, cache=cache, block_length=block_length,
+                logits_from=logits_from,
+            )  # fmt: skip
+        key = (tuple(tokens.shape), start, block_length, logits_from)
+        entry = self.captured.get(key)
+        if entry is None:
+            try:
+                entry = self._capture(tokens, start, block_length, logits_from)
+            except RuntimeError as err:  # an op this torch cannot capture: stay eager
+                self.failed = f"CUDA graph capture failed, running eagerly: {err}"
+                warnings.warn(self.failed, stacklevel=2)
+                return self(tokens, start=start, cache=cache, block_length=block_length,
+                            logits_from=logits_from)  # fmt: skip
+            self.captured[key] = entry
+            while len(self.captured) > self.max_keys:
+                self.captured.popitem(last=False)
+        else:
+            self.captured.move_to_end(key)
+            entry.tokens.copy_(tokens)
+        self._replay(entry)
+        return entry.logits
+
+    def _hooked(self) -> bool:
+        return any(block.hooks for block in self.model.moe_blocks)
+
+    def _replay(self, entry: _Captured) -> None:
+        self.replays += 1
+        entry.pieces[0].replay()
+        for graph, layer in zip(entry.pieces[1:], entry.layers, strict=True):
+            self.executor.run_static(layer, entry.tokens.numel())
+            graph.replay()
+
+    def _capture(self, tokens: Tensor, start: int, block_length: int, logits_from: int):
+        static = tokens.clone()
+        steps = self.model.steps(
+            static, start=start, cache=self.cache, block_length=block_length,
+            logits_from=logits_from,
+        )  # fmt: skip
+        if self.whole:
+            execute = lambda request: self.model.moe_blocks[request.layer].execute(request)  # noqa: E731
+            graph, logits = self.graphs.capture(lambda: drive(steps, execute))
+            return _Captured(static, logits, [graph], [])
+        dtype = self.model.model.word_embeddings.weight.dtype
+        t = static.numel()
+        pieces, layers, logits = [], [], None
+        while logits is None:
+            previous = layers[-1] if layers else None
+            graph, (request, logits) = self.graphs.capture(
+                lambda previous=previous: self._piece(steps, previous, dtype, t)
+            )
+            pieces.append(graph)
+            if request is not None:
+                layers.append(request.layer)
+        return _Captured(static, logits, pieces, layers)
+
+    def _piece(self, steps, previous: int | None, dtype, t: int):
+        """One stretch of the forward: from the previous MoE layer's pairs (static) to the
+        next routing, whose results go into the executor's static request; (request, None), or
+        (None, logits) for the last stretch."""
+        try:
+            if previous is None:
+                request = next(steps)
+            else:
+                pairs = self.executor.static_pairs(previous, t)  # [T, K, H]
+                request = steps.send(combine(pairs, dtype))
+        except StopIteration as done:
+            return None, done.value
+        static = self.executor.static_request(request.layer, t)
+        static.x.copy_(request.x)
+        static.ids.copy_(request.ids)
+        static.weights.copy_(request.weights)
+        return request, None

@@ -1,0 +1,36 @@
+"""Named stages of a forward for the profiler (`oled bench --profile`); free while off.
+
+The forward, the expert executors and the decoder mark their stages with `stage(name)`. While
+`annotate()` is active each stage is a profiler range, so every kernel and copy it launches can
+be attributed to it (oled.bench.stage_breakdown); otherwise `stage` is an empty context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+STAGES = (
+    "embedding", "attention", "routing", "routing to host", "host decision", "copies",
+    "grouped GEMM", "CPU experts", "combine", "shared expert", "dense MLP", "lm head",
+    "decode step",
+)  # fmt: skip
+_on = False
+
+
+def stage(name: str):
+    """A profiler range `name` while annotating, else a no-op context."""
+    return torch.profiler.record_function(name) if _on else nullcontext()
+
+
+@contextmanager
+def annotate() -> Iterator[None]:
+    """Mark stages as profiler ranges inside this block."""
+    global _on
+    _on = True
+    try:
+        yield
+    finally:
+        _on = False

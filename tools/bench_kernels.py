@@ -1,0 +1,131 @@
+"""Per-stage floors on one GPU at LLaDA2.0-mini's shapes: each stage replayed as a CUDA graph.
+
+Times one MoE layer's pieces in isolation (attention at a given prefix, routing, the grouped
+expert GEMM pair over a 256-slot table at several numbers of distinct experts, combine) and the
+pinned host -> device copy rate of expert weights, so a forward's measured time can be read
+against what its parts cost alone. Random weights; prints a table and writes JSON.
+
+    python tools/bench_kernels.py --out reports/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from oled.model.config import mini_config  # noqa: E402
+from oled.model.experts import combine, expert_pairs  # noqa: E402
+from oled.model.layers import Attention, Rotary, Router  # noqa: E402
+
+
+def graph_ms(fn, *args, replays: int = 200) -> float:
+    """Milliseconds per replay of `fn(*args)` captured as one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*args)  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*args)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def routing_with(distinct: int, t: int, k: int, experts: int, gen) -> torch.Tensor:
+    """Ids [T, K]: each token picks k different experts among the first `distinct`."""
+    pool = torch.randperm(experts, generator=gen)[:distinct]
+    picks = torch.stack([torch.randperm(distinct, generator=gen)[:k] for _ in range(t)])
+    return pool[picks].cuda()
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="reports/kernels.json")
+    args = ap.parse_args()
+    cfg = mini_config()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    h, e, k, inter = (
+        cfg.hidden_size,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.moe_intermediate_size,
+    )
+    rows: list[tuple[str, float]] = []
+
+    w13 = torch.randn(e, 2 * inter, h, device=dev, dtype=dt) * 0.02
+    w2 = torch.randn(e, h, inter, device=dev, dtype=dt) * 0.02
+    for t in (32, 64):
+        x = torch.randn(t, h, device=dev, dtype=dt)
+        w = torch.rand(t, k, device=dev)
+        for distinct in (8, 32, 64, 128, 256):
+            if distinct < k:
+                continue
+            ids = routing_with(distinct, t, k, e, gen)
+            ms = graph_ms(expert_pairs, x, ids, w, w13, w2)
+            rows.append((f"grouped GEMM pair, {t} tokens, {distinct} distinct of 256", ms))
+        pairs = torch.randn(t, k, h, device=dev)
+        rows.append((f"combine, {t} tokens", graph_ms(combine, pairs, dt)))
+
+    router = Router(cfg).to(dev)
+    router.weight.data.normal_(0, 0.02)
+    x = torch.randn(32, h, device=dev, dtype=dt)
+    rows.append(("routing (group-limited top-8), 32 tokens", graph_ms(router, x)))
+
+    attn = Attention(cfg).to(dev, dt)
+    rotary = Rotary(dim=cfg.rotary_dim, theta=cfg.rope_theta)
+    for prefix in (512, 2048):
+        kbuf = torch.randn(
+            1, cfg.num_key_value_heads, prefix + 32, cfg.head_dim, device=dev, dtype=dt
+        )
+        vbuf = torch.randn_like(kbuf)
+        xa = torch.randn(1, 32, h, device=dev, dtype=dt)
+        cos, sin = rotary.cos_sin(torch.arange(prefix, prefix + 32, device=dev), dt)
+        ms = graph_ms(attn, xa, rotary, cos, sin, (kbuf, vbuf), prefix, None)
+        rows.append((f"attention layer, 32 tokens over prefix {prefix}", ms))
+
+    host13 = torch.randn(64, 2 * inter, h, dtype=dt).pin_memory()
+    host2 = torch.randn(64, h, inter, dtype=dt).pin_memory()
+    dst13, dst2 = torch.empty_like(host13, device=dev), torch.empty_like(host2, device=dev)
+    nbytes = host13.numel() * 2 + host2.numel() * 2
+    stream = torch.cuda.Stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for label, launch in (
+        ("64 experts, 128 copies", lambda: torch._foreach_copy_(
+            [*dst13, *dst2], [*host13, *host2], non_blocking=True)),
+        ("64 experts, 2 copies", lambda: (dst13.copy_(host13, non_blocking=True),
+                                          dst2.copy_(host2, non_blocking=True))),
+    ):  # fmt: skip
+        with torch.cuda.stream(stream):
+            launch()
+            start.record()
+            for _ in range(5):
+                launch()
+            end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / 5
+        rows.append((f"pinned copy, {label}: GB/s", nbytes / ms / 1e6))
+
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value:8.3f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(rows), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
