@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from oled.decoding import DecodeObserver
 from oled.runtime import Runtime
 
 
@@ -54,27 +55,59 @@ def random_prompt(rt: Runtime, length: int, seed: int) -> list[int]:
     return ids
 
 
-def stage_breakdown(rt: Runtime, prompt: list[int], decode) -> dict[str, float]:
-    """Device milliseconds per iteration of each forward stage (oled.model.stages), from one
-    extra eager generation under the profiler: every kernel and copy counts for the innermost
-    stage that launched it. The graphs replay the same kernels, so these are their times too.
-    CPU experts count the worker's milliseconds (engine metrics), not device time."""
-    from torch.profiler import ProfilerActivity, profile
-
+def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3):
+    """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
+    iterations (after the prompt's) of one extra eager generation under the profiler: every
+    kernel and copy counts for the innermost stage that launched it. The graphs replay the same
+    kernels, so these are their times too. CPU experts count the worker's milliseconds (engine
+    metrics), not device time."""
     from oled.model.graphs import EagerForward
-    from oled.model.stages import annotate
 
+    window = _ProfileWindow(first=1, count=iterations)
     graphed, rt.forward = rt.forward, EagerForward(rt.model)
     try:
-        with annotate(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            stats, off, _ = run_once(rt, prompt, decode)
+        _, off, _ = run_once(rt, prompt, decode, [window])
     finally:
         rt.forward = graphed
-    totals = _stage_device_us(prof.events())
-    out = {name: us / 1000 / stats.iterations for name, us in totals.items()}
+        window.stop()
+    totals = _stage_device_us(window.profiler.events())
+    out = {name: us / 1000 / window.seen for name, us in totals.items()}
     if off is not None and off.get("cpu_ms"):
-        out["CPU experts"] = off["cpu_ms"] / stats.iterations
+        out["CPU experts"] = off["cpu_ms"] / max(1, rt.last_stats.iterations)
     return out
+
+
+class _ProfileWindow(DecodeObserver):
+    """Profiles iterations first .. first + count - 1 of a generation, stages annotated."""
+
+    def __init__(self, *, first: int, count: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.first, self.count, self.seen = first, count, 0
+        self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        self._annotating = None
+
+    def on_iteration_start(self, block: int, iteration: int, step: int) -> None:
+        if step == self.first:
+            from oled.model.stages import annotate
+
+            self._annotating = annotate()
+            self._annotating.__enter__()
+            self.profiler.start()
+
+    def on_iteration(self, info) -> None:
+        if self._annotating is not None and info.step >= self.first:
+            self.seen += 1
+            if self.seen == self.count:
+                self.stop()
+
+    def stop(self) -> None:
+        if self._annotating is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.stop()
+            self._annotating.__exit__(None, None, None)
+            self._annotating = None
 
 
 def _stage_device_us(events) -> dict[str, float]:

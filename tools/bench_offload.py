@@ -68,7 +68,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--budgets", default="0.5,0.25,0.125")
     ap.add_argument("--configs", default="all", help=f"comma-separated of: {', '.join(CONFIGS)}")
-    ap.add_argument("--profile", action="store_true", help="device time per forward stage")
+    ap.add_argument(
+        "--profile", action="store_true", help="device time per stage (rows with graphs)"
+    )
     ap.add_argument("--report-dir", default="reports")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--cost", default="calibrate", help="cost model: calibrate or a profile")
@@ -86,9 +88,12 @@ def main() -> None:
     for graphs in (True, False):
         rt = Runtime(checkpoint=ckpt, device=dev, executor=resident, decode=decode, graphs=graphs)
         mode = "graphs" if graphs else "eager"
-        rows.append(bench_runtime(rt, cfg, f"resident {mode}"))
+        rows.append(
+            bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), f"resident {mode}")
+        )
         for n in [int(n) for n in args.resident_prompts.split(",") if n]:
-            rows.append(bench_runtime(rt, replace(cfg, prompt_length=n), f"resident {mode} p{n}"))
+            longer = replace(cfg, prompt_length=n, profile=False)
+            rows.append(bench_runtime(rt, longer, f"resident {mode} p{n}"))
         if args.trace and not graphs:
             from oled.trace.commands import record_trace
 
@@ -111,7 +116,7 @@ def main() -> None:
             rt = Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=decode,
                          observers=[engine], graphs=graphs)  # fmt: skip
             label = f"{name} @ {frac:g}" + ("" if graphs else " eager")
-            rows.append(bench_runtime(rt, cfg, label))
+            rows.append(bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), label))
             engine.close()
             print(f"done: {label}", flush=True)
             del rt, engine, planner

@@ -90,6 +90,8 @@ class Graphs:
         """Forget every graph whose key `keep` rejects (all of them by default)."""
         for key in [k for k in self.graphs if not keep(k)]:
             del self.graphs[key]
+        if not self.graphs:  # torch frees a pool with its last graph: never capture into it again
+            self.pool = torch.cuda.graph_pool_handle()
 
 
 @dataclass
@@ -148,6 +150,7 @@ class GraphedForward(EagerForward):
         if self.cache is None or self.cache.max_len < total:
             size = max(total, 2 * self.cache.max_len) if self.cache else total
             self.captured.clear()
+            self.graphs = Graphs()  # the old pool went with its last graph
             self.cache = None  # free the old buffers first
             self.cache = super().new_cache(size, device)
         self.cache.length = 0

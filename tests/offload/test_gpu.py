@@ -56,7 +56,7 @@ def test_gpu_only_policies_are_bit_exact(tiny_dir, reference, frac, graphs):
         assert s["cpu_experts"] == 0, "GPU-only policies fell back to CPU experts"
         assert s["copies"] > 0 and s["staged"] > 0
         assert got == reference
-        assert (rt.forward.replays > 0) == graphs
+        assert (getattr(rt.forward, "replays", 0) > 0) == graphs
     finally:
         rt.close()
 
