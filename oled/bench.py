@@ -142,10 +142,15 @@ def run_once(
     return rt.last_stats, rt.offload_summary(), tokens
 
 
+def bench_decode(rt: Runtime, cfg: BenchConfig):
+    """The runtime's decoding settings with the benchmark's block, threshold and length."""
+    return replace(rt.decode, block_length=cfg.block_length, threshold=cfg.threshold,
+                   max_new_tokens=cfg.gen_length, use_cache=True)  # fmt: skip
+
+
 def bench_runtime(rt: Runtime, cfg: BenchConfig, label: str) -> dict[str, Any]:
     """One configuration: warm-up, timed runs, one row of figures."""
-    decode = replace(rt.decode, block_length=cfg.block_length, threshold=cfg.threshold,
-                     max_new_tokens=cfg.gen_length, use_cache=True)  # fmt: skip
+    decode = bench_decode(rt, cfg)
     prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
     for _ in range(cfg.warmup_runs):
         run_once(rt, prompt, decode)

@@ -24,8 +24,10 @@ from rich.console import Console  # noqa: E402
 
 from oled.bench import (  # noqa: E402
     BenchConfig,
+    bench_decode,
     bench_runtime,
     random_prompt,
+    run_once,
     stage_table,
     table,
     with_ratios,
@@ -75,6 +77,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--cost", default="calibrate", help="cost model: calibrate or a profile")
     ap.add_argument("--trace", default=None, help="record the resident run's routing here")
+    ap.add_argument(
+        "--cprofile",
+        default=None,
+        metavar="NAME@FRACTION",
+        help="host profile (cProfile) of one more generation of this row",
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
     ckpt = load(Path(args.model), dev)
@@ -117,6 +125,8 @@ def main() -> None:
                          observers=[engine], graphs=graphs)  # fmt: skip
             label = f"{name} @ {frac:g}" + ("" if graphs else " eager")
             rows.append(bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), label))
+            if graphs and args.cprofile == f"{name}@{frac:g}":
+                host_profile(rt, cfg, Path(args.report_dir) / "host_profile.txt")
             engine.close()
             print(f"done: {label}", flush=True)
             del rt, engine, planner
@@ -126,6 +136,25 @@ def main() -> None:
     if args.profile:
         console.print(stage_table(rows))
     print(f"report: {write_report(Path(args.report_dir), cfg, rows, str(dev))}")
+
+
+def host_profile(rt: Runtime, cfg: BenchConfig, out: Path) -> None:
+    """cProfile of one generation, the 40 functions with the most own time, into `out`."""
+    import cProfile
+    import io
+    import pstats
+
+    prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _, _, tokens = run_once(rt, prompt, bench_decode(rt, cfg))
+    profiler.disable()
+    text = io.StringIO()
+    print(f"{rt.last_stats.iterations} iterations", file=text)
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text.getvalue())
+    print(text.getvalue()[:3000])
 
 
 def load(path: Path, dev: torch.device):

@@ -43,6 +43,10 @@ class OffloadEngine(DecodeObserver):
         self.w2 = [self._table(c, 1, dtype) for c in planner.capacities]
         stage = planner.stage_capacity
         self.stage_w13, self.stage_w2 = self._table(stage, 0, dtype), self._table(stage, 1, dtype)
+        # one view per expert / slot, made once: building them per copy costs the hot path
+        self._src_rows = [_rows(a, b) for a, b in zip(store.w13, store.w2, strict=True)]
+        self._cache_rows = [_rows(a, b) for a, b in zip(self.w13, self.w2, strict=True)]
+        self._stage_rows = _rows(self.stage_w13, self.stage_w2)
         layers = store.num_layers
         stage_rounds = (
             -(-self.num_experts // planner.stage_capacity) if planner.stage_capacity else 0
@@ -72,7 +76,7 @@ class OffloadEngine(DecodeObserver):
             experts = cache.cached()
             if len(experts):
                 slots = cache.slot_of[experts].astype(np.int64)
-                self._launch_copies(layer, experts, slots, self.w13[layer], self.w2[layer])
+                self._launch_copies(layer, experts, slots, self._cache_rows[layer])
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
@@ -210,7 +214,7 @@ class OffloadEngine(DecodeObserver):
             begin = _event(self.copy_stream)
             if self.copy_stream is not None and self._stage_free is not None:
                 self.copy_stream.wait_event(self._stage_free)  # earlier users of the stage done
-            self._launch_copies(layer, experts, slots, self.stage_w13, self.stage_w2)
+            self._launch_copies(layer, experts, slots, self._stage_rows)
             copied = _event(self.copy_stream)
             if compute is not None:
                 stall = _event(compute)
@@ -234,23 +238,22 @@ class OffloadEngine(DecodeObserver):
         if not n_copy:
             return None
         begin = _event(self.copy_stream)
-        self._launch_copies(
-            layer, plan.copy_experts, plan.copy_slots, self.w13[layer], self.w2[layer]
-        )
+        self._launch_copies(layer, plan.copy_experts, plan.copy_slots, self._cache_rows[layer])
         done = _event(self.copy_stream)
         if begin is not None:
             self._events.append((layer, begin, done, "copy"))
         return done
 
-    def _launch_copies(self, layer, experts, slots, w13: Tensor, w2: Tensor) -> None:
-        """One copy per tensor of each expert, host (pinned) -> slot, on the copy stream."""
+    def _launch_copies(self, layer, experts, slots, rows: tuple) -> None:
+        """One copy per tensor of each expert, host (pinned) -> slot rows (`rows`: the row
+        views of a w13 table and of its w2 table), on the copy stream."""
         with stage("copies"):
-            self._launch(layer, experts, slots, w13, w2)
+            self._launch(layer, experts.tolist(), slots.tolist(), rows)
 
-    def _launch(self, layer, experts, slots, w13: Tensor, w2: Tensor) -> None:
-        src13, src2 = self.store.w13[layer], self.store.w2[layer]
-        dst = [w13[s] for s in slots.tolist()] + [w2[s] for s in slots.tolist()]
-        src = [src13[e] for e in experts.tolist()] + [src2[e] for e in experts.tolist()]
+    def _launch(self, layer: int, experts: list[int], slots: list[int], rows: tuple) -> None:
+        (src13, src2), (dst13, dst2) = self._src_rows[layer], rows
+        dst = [dst13[s] for s in slots] + [dst2[s] for s in slots]
+        src = [src13[e] for e in experts] + [src2[e] for e in experts]
         if self.copy_stream is None:
             torch._foreach_copy_(dst, src)
             return
@@ -330,6 +333,7 @@ class OffloadEngine(DecodeObserver):
                 keep = torch.from_numpy(r.keep.astype(np.int64)).to(self.device)
                 new[keep[:, 1]] = old[keep[:, 0]]
             tables[r.layer] = new
+        self._cache_rows[r.layer] = _rows(self.w13[r.layer], self.w2[r.layer])
 
     def _collect_events(self) -> None:
         if not self._events:
@@ -343,6 +347,11 @@ class OffloadEngine(DecodeObserver):
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def _rows(w13: Tensor, w2: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """One view per expert (or slot) of a w13 table [S, 2I, H] and its w2 table [S, H, I]."""
+    return w13.unbind(0), w2.unbind(0)
 
 
 def _event(stream) -> torch.cuda.Event | None:

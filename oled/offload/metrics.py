@@ -8,6 +8,7 @@ FIELDS = (
     "hits", "misses", "copies", "copy_bytes", "staged", "cpu_experts", "cpu_tokens",
     "gpu_experts", "stall_ms", "copy_ms", "cpu_ms", "sync_ms", "host_ms",
 )  # fmt: skip
+_INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 
 class EngineMetrics:
@@ -33,7 +34,7 @@ class EngineMetrics:
 
     def add(self, layer: int, **values: float) -> None:
         for name, value in values.items():
-            i = FIELDS.index(name)
+            i = _INDEX[name]
             self.layer[layer, i] += value
             self._current[i] += value
 
