@@ -174,7 +174,7 @@ def plot(history: list[dict], path: Path) -> None:
     ax.plot(steps, [r["train_loss"] for r in history], alpha=0.4, label="training loss (batch)")
     ax.set_xlabel("step")
     ax.set_ylabel("nats per token")
-    ax.set_title("Default model: masked-diffusion training on CPU")
+    ax.set_title("Default model: masked-diffusion training")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -148,7 +150,8 @@ def route(
 ) -> tuple[Tensor, Tensor]:
     """Group-limited top-k over sigmoid scores (DESIGN.md section 4). x [T, H]."""
     t, e = x.shape[0], weight.shape[0]
-    scores = torch.sigmoid(x.float() @ weight.float().t())  # [T, E]
+    with _no_autocast(x.device):  # router_dtype fp32, also inside a bf16 autocast region
+        scores = torch.sigmoid(x.float() @ weight.float().t())  # [T, E]
     biased = scores + bias.float()  # [T, E]: selection only
     groups = biased.view(t, n_group, e // n_group)  # [T, G, E/G]
     group_score = groups.topk(2, dim=-1).values.sum(-1)  # [T, G]
@@ -160,3 +163,11 @@ def route(
     if normalise:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return ids, weights * scale
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast switched off where it is on (training runs the model under bf16 autocast)."""
+    kind = device.type
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()

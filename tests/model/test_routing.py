@@ -58,3 +58,18 @@ def test_bias_selects_but_does_not_weigh():
     assert (ids == 5).any(dim=1).all()
     scores = torch.sigmoid(x @ weight.t())
     torch.testing.assert_close(w, scores.gather(1, ids))  # ...but weighted by its plain score
+
+
+def test_router_stays_fp32_under_autocast():
+    """Training runs the model under bf16 autocast; the router must select as in decoding."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=gen)
+    weight = torch.randn(32, 64, generator=gen) * 0.3
+    bias = torch.randn(32, generator=gen) * 0.01
+    kw = dict(top_k=4, n_group=4, topk_group=2, scale=2.5, normalise=True)
+    ids, w = route(x, weight, bias, **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ids_ac, w_ac = route(x, weight, bias, **kw)
+    assert w_ac.dtype == torch.float32
+    assert torch.equal(ids_ac, ids)
+    torch.testing.assert_close(w_ac, w)
