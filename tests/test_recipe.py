@@ -159,6 +159,9 @@ def test_overrides(recipe_file: Path) -> None:
     assert recipe.decoding.threshold == 0.8
     assert recipe.policy.retention is not None and recipe.policy.retention.params["window"] == 2
     assert recipe.runtime.device == "cuda:1"
+    assert recipe.runtime.cuda_graphs is True
+    assert load_recipe(recipe_file, ["runtime.cuda_graphs=false"]).runtime.cuda_graphs is False
+    assert "runtime.cuda_graphs" in _error(recipe_file, ["runtime.cuda_graphs=sometimes"])
     recipe = load_recipe(recipe_file, ["policy.retention.name=plain text"])
     assert recipe.policy.retention is not None
     assert recipe.policy.retention.params["name"] == "plain text"

@@ -261,24 +261,34 @@ class OffloadEngine(DecodeObserver):
             torch._foreach_copy_(dst, src, non_blocking=True)
 
     def _start_cpu(self, layer, x, ids_np, weights_host, plan) -> Future | None:
-        """Submit this layer's CPU experts to the worker; their tokens' activations go to host."""
+        """Submit this layer's CPU experts to the worker. Their activations go to pinned host
+        memory without a sync: the worker waits for the copy's event, not the caller."""
         if not len(plan.cpu_experts):
             return None
         on_cpu = np.zeros(self.num_experts, bool)
         on_cpu[plan.cpu_experts] = True
         slots = torch.from_numpy(np.where(on_cpu[ids_np], ids_np, -1))  # [T, K]
-        x_host = x.to("cpu")
+        x_host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)  # [T, H]
+        x_host.copy_(x, non_blocking=self.cuda)
+        copied = torch.cuda.Event() if self.cuda else None
+        if copied is not None:
+            copied.record(torch.cuda.current_stream(self.device))
         cost = self.planner.cost
         now = 1000 * time.perf_counter()
         work = float(np.sum(cost.cpu_ms(plan.cpu_tokens)))
         self._cpu_busy = max(now, self._cpu_busy) + work
-        return self.pool.submit(self._cpu_pairs, layer, x_host, slots, weights_host)
+        return self.pool.submit(self._cpu_pairs, layer, x_host, slots, weights_host, copied)
 
-    def _cpu_pairs(self, layer: int, x: Tensor, slots: Tensor, weights: Tensor):
-        """On the worker thread: ([T, K, H] fp32 pairs of the CPU experts, milliseconds)."""
+    def _cpu_pairs(self, layer: int, x: Tensor, slots: Tensor, weights: Tensor, copied):
+        """On the worker thread: ([T, K, H] fp32 pairs of the CPU experts, in pinned memory
+        when serving a GPU so that they go back without a sync; milliseconds)."""
+        if copied is not None:
+            copied.synchronize()  # the activations have arrived
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = expert_pairs(x, slots, weights, self.store.w13[layer], self.store.w2[layer])
+            if self.cuda:
+                out = out.pin_memory()
         return out, 1000 * (time.perf_counter() - t0)
 
     def _account(self, layer: int, plan: LayerPlan, sync_s: float, host_s: float) -> None:

@@ -85,3 +85,32 @@ def test_bad_recipe_fails_with_one_line(tmp_path):
         result = runner.invoke(app, args)
         assert result.exit_code == 2, result.output
         assert "a.toml:4: runtime.devcie: unknown key (did you mean 'device'?)" in result.output
+
+
+def test_stage_times_go_to_the_innermost_stage():
+    """Kernels count for the innermost enclosing stage, 'other' outside every stage."""
+
+    def event(name, kernels=(), children=()):
+        e = SimpleNamespace(name=name, kernels=[SimpleNamespace(duration=d) for d in kernels],
+                            cpu_children=list(children), cpu_parent=None)  # fmt: skip
+        for child in e.cpu_children:
+            child.cpu_parent = e
+        return e
+
+    mm = event("aten::mm", [5.0])
+    copies = event("copies", [7.0])
+    decision = event("host decision", [1.0], [copies])
+    routed = event("grouped GEMM", [], [event("aten::_grouped_mm", [30.0, 2.0])])
+    layer = event("attention", [], [mm])
+    loose = event("aten::add", [4.0])
+    events = [layer, mm, decision, copies, routed, *routed.cpu_children, loose]
+    assert bench._stage_device_us(events) == {
+        "attention": 5.0, "host decision": 1.0, "copies": 7.0, "grouped GEMM": 32.0, "other": 4.0,
+    }  # fmt: skip
+
+
+def test_bench_eager_flag(tiny_dir):
+    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--eager", "--gen-length", "4",
+            "--block-length", "4", "--prompt-length", "8", "--runs", "1", "--warmup-runs", "0"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
