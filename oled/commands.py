@@ -190,7 +190,7 @@ def bench(
         del rt
         gc.collect()
     rows = b.with_ratios(rows)
-    out = Console(highlight=False, width=max(140, Console().width))
+    out = Console(highlight=False, width=max(200, Console().width))  # 15 columns fit
     out.print(b.table(rows))
     if any("stages_ms_per_iteration" in r for r in rows):
         out.print(b.stage_table(rows))
