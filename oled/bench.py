@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from oled.decoding import DecodeObserver
+from oled.model.stages import STAGES, annotate
 from oled.runtime import Runtime
 
 
@@ -83,37 +84,32 @@ class _ProfileWindow(DecodeObserver):
     def __init__(self, *, first: int, count: int) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        self.first, self.count, self.seen = first, count, 0
+        self.first, self.count, self.seen, self.running = first, count, 0, False
         self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        self._annotating = None
 
     def on_iteration_start(self, block: int, iteration: int, step: int) -> None:
         if step == self.first:
-            from oled.model.stages import annotate
-
-            self._annotating = annotate()
-            self._annotating.__enter__()
+            annotate(True)
             self.profiler.start()
+            self.running = True
 
     def on_iteration(self, info) -> None:
-        if self._annotating is not None and info.step >= self.first:
+        if self.running:
             self.seen += 1
             if self.seen == self.count:
                 self.stop()
 
     def stop(self) -> None:
-        if self._annotating is not None:
+        if self.running:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.profiler.stop()
-            self._annotating.__exit__(None, None, None)
-            self._annotating = None
+            annotate(False)
+            self.running = False
 
 
 def _stage_device_us(events) -> dict[str, float]:
     """Microseconds of kernels and copies per innermost enclosing stage ('other' outside)."""
-    from oled.model.stages import STAGES
-
     totals: dict[str, float] = {}
 
     def walk(event, current: str) -> None:
@@ -272,8 +268,6 @@ def table(rows: list[dict[str, Any]]):
 
 def stage_table(rows: list[dict[str, Any]]):
     from rich.table import Table
-
-    from oled.model.stages import STAGES
 
     seen = {k for r in rows for k in r.get("stages_ms_per_iteration", {})}
     names = [n for n in (*STAGES, "other") if n in seen]

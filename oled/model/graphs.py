@@ -127,8 +127,9 @@ class GraphedForward(EagerForward):
     """Cached forwards replayed as CUDA graphs over one persistent KV cache.
 
     The first forward of the runtime runs eagerly (it initialises libraries and kernels); after
-    that each new (tokens, start, block, logits offset) key is captured once. Forwards without a
-    cache, or while routing hooks are attached (trace recording), run eagerly.
+    that each new (tokens, start, block, logits offset) key is captured once. A prompt's prefill
+    (more than two blocks of tokens), forwards without a cache, and forwards while routing hooks
+    are attached (trace recording) run eagerly; so does everything after a failed capture.
     """
 
     graphed = True
@@ -160,23 +161,34 @@ class GraphedForward(EagerForward):
         self, tokens: Tensor, *, start: int, cache: KVCache | None, block_length: int,
         logits_from: int,
     ) -> Tensor:  # fmt: skip
-        eager = cache is None or cache is not self.cache or self._hooked() or not self.warm
-        if eager or self.failed:
+        eager = (
+            self.failed
+            or cache is None
+            or cache is not self.cache
+            or tokens.shape[1] > 2 * block_length  # a prompt's prefill: once, not worth a graph
+            or self._hooked()
+            or not self.warm
+        )
+        if eager:
             self.warm = self.warm or cache is not None
             return super().__call__(
                 tokens, start=start, cache=cache, block_length=block_length,
                 logits_from=logits_from,
             )  # fmt: skip
+        try:
+            return self._graphed(tokens, start, block_length, logits_from)
+        except RuntimeError as err:  # an op this torch cannot capture: stay eager from now on
+            self.failed = f"CUDA graph capture failed, running eagerly: {err}"
+            warnings.warn(self.failed, stacklevel=2)
+            return self(tokens, start=start, cache=cache, block_length=block_length,
+                        logits_from=logits_from)  # fmt: skip
+
+    def _graphed(self, tokens: Tensor, start: int, block_length: int, logits_from: int):
+        """Replay the key's graphs (captured first if new); the logits [B, T', V]."""
         key = (tuple(tokens.shape), start, block_length, logits_from)
         entry = self.captured.get(key)
         if entry is None:
-            try:
-                entry = self._capture(tokens, start, block_length, logits_from)
-            except RuntimeError as err:  # an op this torch cannot capture: stay eager
-                self.failed = f"CUDA graph capture failed, running eagerly: {err}"
-                warnings.warn(self.failed, stacklevel=2)
-                return self(tokens, start=start, cache=cache, block_length=block_length,
-                            logits_from=logits_from)  # fmt: skip
+            entry = self._capture(tokens, start, block_length, logits_from)
             self.captured[key] = entry
             while len(self.captured) > self.max_keys:
                 self.captured.popitem(last=False)
@@ -203,8 +215,7 @@ class GraphedForward(EagerForward):
             logits_from=logits_from,
         )  # fmt: skip
         if self.whole:
-            execute = lambda request: self.model.moe_blocks[request.layer].execute(request)  # noqa: E731
-            graph, logits = self.graphs.capture(lambda: drive(steps, execute))
+            graph, logits = self.graphs.capture(lambda: drive(steps, self.model.execute))
             return _Captured(static, logits, [graph], [])
         dtype = self.model.model.word_embeddings.weight.dtype
         t = static.numel()

@@ -131,7 +131,14 @@ class LLaDA2Model(nn.Module):
 
     @property
     def moe_blocks(self) -> list[MoE]:
+        """The MoE layers' blocks, by MoE layer index."""
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+    def execute(self, request: MoERequest) -> Tensor:
+        """Answer a forward's MoE request through its layer's hooks and executor: [T, H]."""
+        return self.model.layers[self.config.first_k_dense_replace + request.layer].mlp.execute(
+            request
+        )
 
     def set_executor(self, executor: ExpertExecutor) -> None:
         for block in self.moe_blocks:
@@ -167,7 +174,7 @@ class LLaDA2Model(nn.Module):
         steps = self.steps(
             tokens, start=start, cache=cache, block_length=block_length, logits_from=logits_from
         )
-        return drive(steps, lambda request: self.moe_blocks[request.layer].execute(request))
+        return drive(steps, self.execute)
 
     def steps(
         self,

@@ -1,14 +1,13 @@
 """Named stages of a forward for the profiler (`oled bench --profile`); free while off.
 
 The forward, the expert executors and the decoder mark their stages with `stage(name)`. While
-`annotate()` is active each stage is a profiler range, so every kernel and copy it launches can
+`annotate(True)` holds, each stage is a profiler range, so every kernel and copy it launches can
 be attributed to it (oled.bench.stage_breakdown); otherwise `stage` is an empty context.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
@@ -25,12 +24,7 @@ def stage(name: str):
     return torch.profiler.record_function(name) if _on else nullcontext()
 
 
-@contextmanager
-def annotate() -> Iterator[None]:
-    """Mark stages as profiler ranges inside this block."""
+def annotate(on: bool) -> None:
+    """Mark stages as profiler ranges (True) or not (False, the default)."""
     global _on
-    _on = True
-    try:
-        yield
-    finally:
-        _on = False
+    _on = on

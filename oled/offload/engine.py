@@ -268,10 +268,11 @@ class OffloadEngine(DecodeObserver):
         on_cpu = np.zeros(self.num_experts, bool)
         on_cpu[plan.cpu_experts] = True
         slots = torch.from_numpy(np.where(on_cpu[ids_np], ids_np, -1))  # [T, K]
-        x_host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)  # [T, H]
-        x_host.copy_(x, non_blocking=self.cuda)
-        copied = torch.cuda.Event() if self.cuda else None
-        if copied is not None:
+        x_host, copied = x, None  # [T, H]
+        if self.cuda:
+            x_host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            x_host.copy_(x, non_blocking=True)
+            copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(self.device))
         cost = self.planner.cost
         now = 1000 * time.perf_counter()
