@@ -156,25 +156,10 @@ class LLaDA2Model(nn.Module):
 
         return remove
 
-    def forward(
-        self,
-        tokens: Tensor,
-        *,
-        start: int = 0,
-        cache: KVCache | None = None,
-        block_length: int = 32,
-        logits_from: int = 0,
-    ) -> Tensor:
-        """Logits [B, T - logits_from, V] fp32 for tokens [B, T] at absolute positions start...
-
-        Attention is block-causal over blocks of `block_length` absolute positions. With a cache,
-        the cache's first `start` positions are the prefix and the new tokens' keys and values are
-        written after it (the caller decides how many of them to keep by setting cache.length).
-        """
-        steps = self.steps(
-            tokens, start=start, cache=cache, block_length=block_length, logits_from=logits_from
-        )
-        return drive(steps, self.execute)
+    def forward(self, tokens: Tensor, **options) -> Tensor:
+        """Logits [B, T - logits_from, V] fp32 for tokens [B, T]: `steps` (same keywords)
+        driven through each MoE layer's hooks and executor."""
+        return drive(self.steps(tokens, **options), self.execute)
 
     def steps(
         self,
@@ -185,9 +170,15 @@ class LLaDA2Model(nn.Module):
         block_length: int = 32,
         logits_from: int = 0,
     ) -> ForwardSteps:
-        """`forward` as a generator: it yields each MoE layer's request and is sent the routed
-        sum [T, H]; it returns the logits. Whoever drives it decides how experts are computed
-        (eagerly through the executor, or as pieces of CUDA graphs: oled.model.graphs)."""
+        """The forward as a generator over tokens [B, T] at absolute positions start...: it
+        yields each MoE layer's request, is sent the routed sum [T, H], and returns the logits
+        [B, T - logits_from, V] fp32. Whoever drives it decides how experts are computed
+        (eagerly through the executor, or as pieces of CUDA graphs: oled.model.graphs).
+
+        Attention is block-causal over blocks of `block_length` absolute positions. With a cache,
+        the cache's first `start` positions are the prefix and the new tokens' keys and values are
+        written after it (the caller decides how many of them to keep by setting cache.length).
+        """
         b, t = tokens.shape
         if cache is not None and cache.length != start:
             raise ValueError(f"cache holds {cache.length} tokens but start is {start}")
