@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from oled import kernels
 from oled.decoding import DecodeObserver
 from oled.model.stages import STAGES, annotate
 from oled.runtime import Runtime
@@ -109,21 +110,50 @@ class _ProfileWindow(DecodeObserver):
 
 
 def _stage_device_us(events) -> dict[str, float]:
-    """Microseconds of kernels and copies per innermost enclosing stage ('other' outside)."""
+    """Microseconds of kernels and copies per innermost enclosing stage ('other' outside).
+
+    Each device event is found through its host API call (cudaLaunchKernel, cuLaunchKernelEx,
+    cudaMemcpyAsync, ...: the same correlation id), whose place in the host call tree names the
+    stage; this also places Triton's kernels, which no torch op launches. A device event whose
+    call the profiler did not record counts for the torch op it is linked to, if any.
+    """
     totals: dict[str, float] = {}
-
-    def walk(event, current: str) -> None:
-        name = event.name if event.name in STAGES else current
-        spent = sum(k.duration for k in getattr(event, "kernels", []))
-        if spent:
-            totals[name] = totals.get(name, 0.0) + spent
-        for child in event.cpu_children:
-            walk(child, name)
-
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    calls = {e.id: e for e in events if e.device_type == cpu and _is_api_call(e.name)}
+    ops = {e.id: e for e in events if e.device_type == cpu and not _is_api_call(e.name)}
     for event in events:
-        if event.cpu_parent is None:
-            walk(event, "other")
+        if event.device_type != cuda or not _device_work(event):
+            continue
+        call = calls.get(event.id)
+        if call is None:
+            call = ops.get(getattr(event, "linked_correlation_id", 0) or -1)
+        stage = _stage_of(call)
+        totals[stage] = totals.get(stage, 0.0) + event.time_range.elapsed_us()
     return totals
+
+
+def _device_work(event) -> bool:
+    """A kernel, copy or memset: not a mirror of a stage range on the device timeline, nor a
+    synchronisation (both span other work)."""
+    kind = getattr(event, "activity_type", None)
+    if kind is not None:
+        return kind in ("kernel", "gpu_memcpy", "gpu_memset")
+    return not (getattr(event, "is_user_annotation", False) or event.name in STAGES
+                or "Sync" in event.name)  # fmt: skip
+
+
+def _is_api_call(name: str) -> bool:
+    """A CUDA runtime or driver call (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync...)."""
+    return name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper())
+
+
+def _stage_of(event) -> str:
+    """The innermost stage range enclosing a host event; 'other' without one."""
+    while event is not None:
+        if event.name in STAGES:
+            return event.name
+        event = event.cpu_parent
+    return "other"
 
 
 def run_once(
@@ -160,6 +190,8 @@ def bench_runtime(rt: Runtime, cfg: BenchConfig, label: str) -> dict[str, Any]:
     if cfg.profile and rt.device.type == "cuda":
         row["stages_ms_per_iteration"] = stage_breakdown(rt, prompt, decode)
     row["output"] = hashlib.sha1(repr(outputs[0]).encode()).hexdigest()[:12]  # the tokens, short
+    row["kernels"] = kernels.describe(rt.device)
+    row["graphs"] = bool(getattr(rt.forward, "graphed", False)) and rt.device.type == "cuda"
     return row
 
 

@@ -18,6 +18,7 @@ from oled.options import (
     DeviceOpt,
     DtypeOpt,
     GraphsOpt,
+    KernelsOpt,
     ModelOpt,
     RecipeOpt,
     ThresholdOpt,
@@ -27,12 +28,12 @@ from oled.options import (
 
 
 def spec_of(model: str, device: str, dtype: str, recipe: Path | None, cache_size: int | None,
-            graphs: bool = True, **decode):  # fmt: skip
+            graphs: bool = True, kernels: str | None = None, **decode):  # fmt: skip
     from oled.decoding import DecodeConfig
     from oled.launch import RuntimeSpec
 
     return RuntimeSpec(model=model, device=device, dtype=dtype, recipe=recipe,
-                       cache_size=cache_size, graphs=graphs,
+                       cache_size=cache_size, graphs=graphs, kernels=kernels,
                        decode=DecodeConfig(**decode))  # fmt: skip
 
 
@@ -44,6 +45,7 @@ def serve(
     dtype: DtypeOpt = "bfloat16",
     cache_size: CacheOpt = None,
     graphs: GraphsOpt = True,
+    kernels: KernelsOpt = None,
     block_length: BlockOpt = 32,
     threshold: ThresholdOpt = 0.95,
     max_tokens: Annotated[
@@ -65,7 +67,7 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
     from oled.serve.command import run_server
 
-    spec = spec_of(model, device, dtype, recipe, cache_size, graphs, block_length=block_length,
+    spec = spec_of(model, device, dtype, recipe, cache_size, graphs, kernels, block_length=block_length,
                    threshold=threshold, max_new_tokens=max_tokens)  # fmt: skip
     run_server(spec, host=host, port=port, model_name=served_model_name,
                default_max_tokens=default_max_tokens, max_tokens=max_tokens, api_key=api_key)  # fmt: skip
@@ -79,6 +81,7 @@ def chat(
     dtype: DtypeOpt = "bfloat16",
     cache_size: CacheOpt = None,
     graphs: GraphsOpt = True,
+    kernels: KernelsOpt = None,
     block_length: BlockOpt = 32,
     threshold: ThresholdOpt = 0.95,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per reply.")] = 256,
@@ -92,7 +95,7 @@ def chat(
     from oled.chat import ChatSession, run_chat, setup_readline
     from oled.launch import build
 
-    spec = spec_of(model, device, dtype, recipe, cache_size, graphs, block_length=block_length,
+    spec = spec_of(model, device, dtype, recipe, cache_size, graphs, kernels, block_length=block_length,
                    threshold=threshold, max_new_tokens=max_tokens, temperature=temperature,
                    seed=seed)  # fmt: skip
     t0 = time.perf_counter()
@@ -144,6 +147,7 @@ def bench(
     dtype: DtypeOpt = "bfloat16",
     cache_size: CacheOpt = None,
     graphs: GraphsOpt = True,
+    kernels: KernelsOpt = None,
     gen_length: Annotated[int, typer.Option(help="Tokens generated per run.")] = 256,
     block_length: BlockOpt = 32,
     threshold: ThresholdOpt = 0.95,
@@ -170,9 +174,9 @@ def bench(
                         warmup_runs=warmup_runs, runs=runs, seed=seed, profile=profile)  # fmt: skip
     paths = [*(recipes or []), *([recipe] if recipe else [])]
     name = model.split(":", 1)[1] if model.startswith("builtin:") else Path(model).name
-    specs = [(p.stem, spec_of(model, device, dtype, p, None, graphs)) for p in paths] or [
+    specs = [(p.stem, spec_of(model, device, dtype, p, None, graphs, kernels)) for p in paths] or [
         (name if cache_size is None else f"{name} cache={cache_size}",
-         spec_of(model, device, dtype, None, cache_size, graphs))
+         spec_of(model, device, dtype, None, cache_size, graphs, kernels))
     ]  # fmt: skip
     for _, spec in specs:
         check(spec)

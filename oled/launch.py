@@ -24,6 +24,7 @@ class RuntimeSpec:
     recipe: Path | None = None
     cache_size: int | None = None
     graphs: bool = True
+    kernels: str | None = None  # None: the recipe's (or "auto")
     decode: DecodeConfig = DecodeConfig()
 
 
@@ -35,6 +36,11 @@ def check(spec: RuntimeSpec) -> None:
         load_recipe(spec.recipe)  # one-line error with file, line and key
     if spec.cache_size is not None and spec.cache_size < 1:
         raise ValueError("--cache-size must be at least 1 expert slot per layer")
+    if spec.kernels is not None:
+        from oled import kernels
+        from oled.runtime import pick_device
+
+        kernels.check(spec.kernels, pick_device(spec.device))
 
 
 def build(spec: RuntimeSpec) -> Runtime:
@@ -44,7 +50,7 @@ def build(spec: RuntimeSpec) -> Runtime:
         from oled.experiment.build import build as build_recipe
         from oled.recipe import load_recipe
 
-        return build_recipe(load_recipe(spec.recipe), graphs=spec.graphs)
+        return build_recipe(load_recipe(spec.recipe), graphs=spec.graphs, kernels=spec.kernels)
     if spec.cache_size is not None:
         from oled.model.config import ModelConfig
         from oled.offload.budget import Budget
@@ -54,11 +60,12 @@ def build(spec: RuntimeSpec) -> Runtime:
         budget = Budget(kind="expert_budget", value=spec.cache_size * layers)
         return build_runtime(
             model=spec.model, device=spec.device, dtype=spec.dtype, decode=spec.decode,
-            budget=budget, graphs=spec.graphs,
+            budget=budget, graphs=spec.graphs, kernels=spec.kernels or "auto",
         )  # fmt: skip
     return load_runtime(
-        spec.model, device=spec.device, dtype=spec.dtype, decode=spec.decode, graphs=spec.graphs
-    )
+        spec.model, device=spec.device, dtype=spec.dtype, decode=spec.decode, graphs=spec.graphs,
+        kernels=spec.kernels or "auto",
+    )  # fmt: skip
 
 
 OFFLOAD_KEYS = ("hit_rate", "hits", "misses", "copies", "copy_bytes", "cpu_experts",

@@ -35,6 +35,15 @@ GraphsOpt = Annotated[
     ),
 ]
 
+KernelsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--kernels",
+        help="auto: fused Triton kernels on CUDA where triton imports; triton: insist on them; "
+        "torch: plain torch kernels (default: the recipe's, else auto).",
+    ),
+]
+
 
 def user_errors(fn):
     """Expected failures (bad input, missing files) -> one red line and exit code 2."""

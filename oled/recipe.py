@@ -103,6 +103,7 @@ class RuntimeSection(Strict):
     stage_capacity: int | None = Field(None, ge=1)
     cost: str = "calibrate"  # "calibrate" or a cost profile name such as "h200"
     cuda_graphs: bool = True  # replay forwards as CUDA graphs on CUDA (the same tokens)
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # fused Triton kernels on CUDA
 
     @field_validator("device")
     @classmethod

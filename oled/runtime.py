@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from oled import kernels as fused_kernels
 from oled.decoding import BlockDecoder, BlockInfo, DecodeConfig, DecodeObserver, GenerationStats
 from oled.model.checkpoint import Checkpoint, load_checkpoint
 from oled.model.experts import ResidentExperts
@@ -113,7 +114,11 @@ class Runtime:
         decode: DecodeConfig,
         observers: Sequence[DecodeObserver] = (),
         graphs: bool = True,
+        kernels: str = "auto",
     ) -> None:
+        fused_kernels.check(kernels, device)
+        fused_kernels.use(kernels)
+        self.kernels = kernels
         self.checkpoint = checkpoint
         self.device = device
         self.executor = executor
@@ -158,6 +163,7 @@ class Runtime:
         cancelled: Callable[[], bool] = lambda: False,
     ) -> Iterator[BlockInfo]:
         """Yield each finished block; `last_stats` is complete once the iterator ends."""
+        fused_kernels.use(self.kernels)
         decoder = BlockDecoder(
             self.model,
             mask_id=self.tokenizer.mask_id,
@@ -220,12 +226,14 @@ def build_runtime(
     decode: DecodeConfig | None = None,
     progress: bool = False,
     graphs: bool = True,
+    kernels: str = "auto",
 ) -> Runtime:
     """Load a model under a GPU budget with the given policies (missing ones get OLED's).
 
     The budget is checked against the config before any weight is read, so a budget that is too
     small fails at once with the minimum it needs. On CUDA, forwards replay as CUDA graphs
-    unless `graphs` is False (the same tokens either way).
+    unless `graphs` is False (the same tokens either way), and the hot stages run as fused
+    Triton kernels unless `kernels` is "torch" (oled.kernels).
     """
     from oled.model.config import ModelConfig
     from oled.offload.budget import total_slots
@@ -233,6 +241,8 @@ def build_runtime(
     if cpu_threads:
         torch.set_num_threads(cpu_threads)
     dev, torch_dtype = pick_device(device), pick_dtype(dtype)
+    fused_kernels.check(kernels, dev)
+    fused_kernels.use(kernels)  # the cost calibration below already times these kernels
     path = resolve_model(model)
     cfg = ModelConfig.from_json(path)
     budget = budget or Budget()
@@ -250,14 +260,17 @@ def build_runtime(
     decode = decode or DecodeConfig()
     if slots is None:
         executor = ResidentExperts(ckpt.experts, dev)
-        return Runtime(checkpoint=ckpt, device=dev, executor=executor, decode=decode, graphs=graphs)
+        return Runtime(
+            checkpoint=ckpt, device=dev, executor=executor, decode=decode, graphs=graphs,
+            kernels=kernels,
+        )  # fmt: skip
     planner = make_planner(
         ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost
     )
     engine = OffloadEngine(store=ckpt.experts, device=dev, planner=planner)
     return Runtime(
         checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine],
-        graphs=graphs,
+        graphs=graphs, kernels=kernels,
     )  # fmt: skip
 
 
@@ -294,8 +307,10 @@ def load_runtime(
     decode: DecodeConfig | None = None,
     progress: bool = False,
     graphs: bool = True,
+    kernels: str = "auto",
 ) -> Runtime:
     """All experts resident on the device: the simplest runtime and the reference."""
     return build_runtime(
-        model=model, device=device, dtype=dtype, decode=decode, progress=progress, graphs=graphs
-    )
+        model=model, device=device, dtype=dtype, decode=decode, progress=progress, graphs=graphs,
+        kernels=kernels,
+    )  # fmt: skip

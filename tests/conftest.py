@@ -3,11 +3,15 @@ real policy components that tests register under their own names."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run through its interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from oled import registry as reg
 from oled.model.presets import init_checkpoint

@@ -1,11 +1,12 @@
 """Per-stage floors on one GPU at LLaDA2.0-mini's shapes: each stage replayed as a CUDA graph.
 
-Times one MoE layer's pieces in isolation (attention at a given prefix, routing, the grouped
-expert GEMM pair over a 256-slot table at several numbers of distinct experts, combine) and the
+Times one MoE layer's pieces in isolation (attention at a given prefix, routing, RMSNorm, the
+grouped expert GEMM pair over a 256-slot table at several numbers of distinct experts, combine),
+each with the plain torch kernels and with the fused Triton kernels (oled.kernels), and the
 pinned host -> device copy rate of expert weights, so a forward's measured time can be read
 against what its parts cost alone. Random weights; prints a table and writes JSON.
 
-    python tools/bench_kernels.py --out reports/kernels.json
+    python tools/bench_kernels.py --out reports/kernels.json [--kernels torch,auto]
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from oled import kernels  # noqa: E402
 from oled.model.config import mini_config  # noqa: E402
 from oled.model.experts import combine, expert_pairs  # noqa: E402
-from oled.model.layers import Attention, Rotary, Router  # noqa: E402
+from oled.model.layers import Attention, RMSNorm, Rotary, Router  # noqa: E402
 
 
 def graph_ms(fn, *args, replays: int = 200) -> float:
@@ -55,7 +57,24 @@ def routing_with(distinct: int, t: int, k: int, experts: int, gen) -> torch.Tens
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="reports/kernels.json")
+    ap.add_argument("--kernels", default="torch,auto", help="kernel modes to time, in order")
     args = ap.parse_args()
+    rows: list[tuple[str, float]] = []
+    for mode in args.kernels.split(","):
+        kernels.use(mode)
+        tag = f" [{kernels.describe(torch.device('cuda'))}]"
+        rows += [(name + tag, ms) for name, ms in stage_rows()]
+    kernels.use("auto")
+    rows += copy_rows()
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value:8.3f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(rows), indent=1) + "\n")
+
+
+def stage_rows() -> list[tuple[str, float]]:
+    """Milliseconds per stage at the mini shapes, with the kernels `oled.kernels` picks now."""
     cfg = mini_config()
     dev, dt = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator().manual_seed(0)
@@ -66,7 +85,6 @@ def main() -> None:
         cfg.moe_intermediate_size,
     )
     rows: list[tuple[str, float]] = []
-
     w13 = torch.randn(e, 2 * inter, h, device=dev, dtype=dt) * 0.02
     w2 = torch.randn(e, h, inter, device=dev, dtype=dt) * 0.02
     for t in (32, 64):
@@ -85,6 +103,8 @@ def main() -> None:
     router.weight.data.normal_(0, 0.02)
     x = torch.randn(32, h, device=dev, dtype=dt)
     rows.append(("routing (group-limited top-8), 32 tokens", graph_ms(router, x)))
+    norm = RMSNorm(h, eps=cfg.rms_norm_eps).to(dev, dt)
+    rows.append(("RMSNorm, 32 tokens", graph_ms(norm, x)))
 
     attn = Attention(cfg).to(dev, dt)
     rotary = Rotary(dim=cfg.rotary_dim, theta=cfg.rope_theta)
@@ -97,7 +117,19 @@ def main() -> None:
         cos, sin = rotary.cos_sin(torch.arange(prefix, prefix + 32, device=dev), dt)
         ms = graph_ms(attn, xa, rotary, cos, sin, (kbuf, vbuf), prefix, None)
         rows.append((f"attention layer, 32 tokens over prefix {prefix}", ms))
+    return rows
 
+
+def copy_rows() -> list[tuple[str, float]]:
+    """GB/s of pinned host -> device copies of 64 mini experts, per tensor and as 2 copies."""
+    cfg = mini_config()
+    dev, dt, h, inter = (
+        torch.device("cuda"),
+        torch.bfloat16,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+    )
+    rows: list[tuple[str, float]] = []
     host13 = torch.randn(64, 2 * inter, h, dtype=dt).pin_memory()
     host2 = torch.randn(64, h, inter, dtype=dt).pin_memory()
     dst13, dst2 = torch.empty_like(host13, device=dev), torch.empty_like(host2, device=dev)
@@ -119,12 +151,7 @@ def main() -> None:
         end.synchronize()
         ms = start.elapsed_time(end) / 5
         rows.append((f"pinned copy, {label}: GB/s", nbytes / ms / 1e6))
-
-    width = max(len(r[0]) for r in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value:8.3f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(rows), indent=1) + "\n")
+    return rows
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from oled.bench import (  # noqa: E402
     write_report,
 )
 from oled.decoding import DecodeConfig  # noqa: E402
+from oled.kernels import use as use_kernels  # noqa: E402
 from oled.model.checkpoint import load_checkpoint  # noqa: E402
 from oled.model.experts import ResidentExperts  # noqa: E402
 from oled.model.presets import init_checkpoint  # noqa: E402
@@ -65,6 +66,12 @@ def main() -> None:
         default="on",
         help="CUDA graphs for the offloaded rows (resident always runs both)",
     )
+    ap.add_argument(
+        "--kernels",
+        choices=["auto", "torch", "both"],
+        default="auto",
+        help="fused Triton kernels (auto), plain torch, or both rows for every configuration",
+    )
     ap.add_argument("--gen-length", type=int, default=64)
     ap.add_argument("--warmup-runs", type=int, default=1)
     ap.add_argument("--runs", type=int, default=1)
@@ -93,9 +100,11 @@ def main() -> None:
     decode = DecodeConfig(max_new_tokens=args.gen_length)
     resident = ResidentExperts(ckpt.experts, dev)
     rows = []
-    for graphs in (True, False):
-        rt = Runtime(checkpoint=ckpt, device=dev, executor=resident, decode=decode, graphs=graphs)
-        mode = "graphs" if graphs else "eager"
+    kernel_modes = {"auto": ["auto"], "torch": ["torch"], "both": ["auto", "torch"]}[args.kernels]
+    for kernels, graphs in [(k, g) for k in kernel_modes for g in (True, False)]:
+        rt = Runtime(checkpoint=ckpt, device=dev, executor=resident, decode=decode, graphs=graphs,
+                     kernels=kernels)  # fmt: skip
+        mode = ("graphs" if graphs else "eager") + suffix(kernels)
         rows.append(
             bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), f"resident {mode}")
         )
@@ -112,20 +121,23 @@ def main() -> None:
     torch.cuda.empty_cache() if dev.type == "cuda" else None
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
     names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
-    for frac in [float(f) for f in args.budgets.split(",")]:
+    for frac in [float(f) for f in args.budgets.split(",") if f]:
         budget = Budget("expert_fraction", frac)
         slots = total_slots(budget, ckpt.config, dtype=torch.bfloat16, device=dev)
-        for name, graphs in [(n, g) for n in names for g in modes]:
+        for name, graphs, kernels in [
+            (n, g, k) for n in names for g in modes for k in kernel_modes
+        ]:
             p = CONFIGS[name]()
+            use_kernels(kernels)  # the cost calibration times the kernels the row runs
             planner = make_planner(
                 ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], args.cost
             )
             engine = OffloadEngine(store=ckpt.experts, device=dev, planner=planner)
             rt = Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=decode,
-                         observers=[engine], graphs=graphs)  # fmt: skip
-            label = f"{name} @ {frac:g}" + ("" if graphs else " eager")
+                         observers=[engine], graphs=graphs, kernels=kernels)  # fmt: skip
+            label = f"{name} @ {frac:g}" + ("" if graphs else " eager") + suffix(kernels)
             rows.append(bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), label))
-            if graphs and args.cprofile == f"{name}@{frac:g}":
+            if graphs and kernels == kernel_modes[0] and args.cprofile == f"{name}@{frac:g}":
                 host_profile(rt, cfg, Path(args.report_dir) / "host_profile.txt")
             engine.close()
             print(f"done: {label}", flush=True)
@@ -136,6 +148,11 @@ def main() -> None:
     if args.profile:
         console.print(stage_table(rows))
     print(f"report: {write_report(Path(args.report_dir), cfg, rows, str(dev))}")
+
+
+def suffix(kernels: str) -> str:
+    """Row label suffix for the kernels: none for the default (fused on CUDA)."""
+    return "" if kernels == "auto" else f" {kernels}-kernels"
 
 
 def host_profile(rt: Runtime, cfg: BenchConfig, out: Path) -> None:

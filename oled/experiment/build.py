@@ -25,9 +25,9 @@ def build_budget(section: BudgetSection) -> Any:
     return Budget(kind=kind, value=None if value is True else value)
 
 
-def build(recipe: Recipe, *, graphs: bool = True) -> Any:
+def build(recipe: Recipe, *, graphs: bool = True, kernels: str | None = None) -> Any:
     """A ready runtime for `recipe` (policies are None when every expert is resident); CUDA
-    graphs when both the recipe and `graphs` allow them."""
+    graphs when both the recipe and `graphs` allow them; `kernels` overrides the recipe's."""
     from oled.decoding import DecodeConfig
     from oled.runtime import build_runtime
 
@@ -47,6 +47,7 @@ def build(recipe: Recipe, *, graphs: bool = True) -> Any:
         cpu_threads=rt.cpu_threads,
         decode=DecodeConfig(**recipe.decoding.model_dump()),
         graphs=graphs and rt.cuda_graphs,
+        kernels=kernels or rt.kernels,
         **optional,
         **policies,
     )

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from oled import kernels
 from oled.model.stages import stage
 
 _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -96,8 +97,14 @@ def expert_pairs(x: Tensor, slots: Tensor, weights: Tensor, w13: Tensor, w2: Ten
     x [T, H]; slots [T, K] int64 row of each pair in the table, -1 for pairs computed elsewhere;
     weights [T, K] fp32; w13 [S, 2I, H]; w2 [S, H, I]. Returns [T, K, H] fp32 with zeros where
     slots < 0. No host sync and static shapes (so CUDA graphs can capture it): one sort, a
-    searchsorted for the group offsets, two grouped GEMMs, one scatter.
+    searchsorted for the group offsets, two grouped GEMMs, one scatter. On CUDA the fused
+    Triton kernels of `oled.kernels.moe` compute the same contract (`oled.kernels.fused`).
     """
+    if kernels.fused(x):
+        from oled.kernels.moe import fused_expert_pairs
+
+        with kernels.serial():
+            return fused_expert_pairs(x, slots, weights, w13, w2)
     t, k = slots.shape
     s = w13.shape[0]
     flat = slots.reshape(-1)  # [T*K]

@@ -129,7 +129,9 @@ class GraphedForward(EagerForward):
     The first forward of the runtime runs eagerly (it initialises libraries and kernels); after
     that each new (tokens, start, block, logits offset) key is captured once. A prompt's prefill
     (more than two blocks of tokens), forwards without a cache, and forwards while routing hooks
-    are attached (trace recording) run eagerly; so does everything after a failed capture.
+    are attached (trace recording) run eagerly. A key whose capture fails runs eagerly once and
+    is captured again next time (a Triton kernel's first launch loads its code, which a capture
+    forbids; the eager run loads it); after a second failure everything runs eagerly.
     """
 
     graphed = True
@@ -144,6 +146,7 @@ class GraphedForward(EagerForward):
         self.cache: KVCache | None = None
         self.warm = False
         self.failed: str | None = None
+        self.retried: set[tuple] = set()
         self.replays = 0
 
     def new_cache(self, total: int, device) -> KVCache:
@@ -177,11 +180,16 @@ class GraphedForward(EagerForward):
             )  # fmt: skip
         try:
             return self._graphed(tokens, start, block_length, logits_from)
-        except RuntimeError as err:  # an op this torch cannot capture: stay eager from now on
-            self.failed = f"CUDA graph capture failed, running eagerly: {err}"
-            warnings.warn(self.failed, stacklevel=2)
-            return self(tokens, start=start, cache=cache, block_length=block_length,
-                        logits_from=logits_from)  # fmt: skip
+        except RuntimeError as err:
+            key = (tuple(tokens.shape), start, block_length, logits_from)
+            if key in self.retried:  # an op this torch cannot capture: stay eager from now on
+                self.failed = f"CUDA graph capture failed, running eagerly: {err}"
+                warnings.warn(self.failed, stacklevel=2)
+            self.retried.add(key)
+            return super().__call__(
+                tokens, start=start, cache=cache, block_length=block_length,
+                logits_from=logits_from,
+            )  # fmt: skip
 
     def _graphed(self, tokens: Tensor, start: int, block_length: int, logits_from: int):
         """Replay the key's graphs (captured first if new); the logits [B, T', V]."""

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from oled import kernels
 from oled.model.config import ModelConfig
 
 
@@ -20,6 +21,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if kernels.fused(x):
+            from oled.kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -81,21 +86,50 @@ class Attention(nn.Module):
         """x [B, T, H]; kv: this layer's cache buffers [B, kv_heads, S_max, D] or None."""
         b, t, _ = x.shape
         qkv = self.query_key_value(x)  # [B, T, (h + 2 kv) * D]
+        if kernels.fused(qkv):
+            q, k, v = self._qkv_fused(qkv, rotary, cos, sin, kv, past)
+        else:
+            q, k, v = self._qkv(qkv, rotary, cos, sin, kv, past)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
+        )  # [B, h, T, D]
+        return self.dense(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+    def _qkv(self, qkv, rotary, cos, sin, kv, past) -> tuple[Tensor, Tensor, Tensor]:
+        """Normed, rotated q [B, h, T, D] and the keys/values to attend [B, kv, S, D] (torch)."""
+        b, t, _ = qkv.shape
         kv_width = self.kv_heads * self.head_dim
         q, k, v = qkv.split([self.heads * self.head_dim, kv_width, kv_width], dim=-1)
         q = self.query_layernorm(q.view(b, t, self.heads, self.head_dim)).transpose(1, 2)
         k = self.key_layernorm(k.view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, D]
         q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
-        if kv is not None:
-            kbuf, vbuf = kv
-            kbuf[:, :, past : past + t] = k
-            vbuf[:, :, past : past + t] = v
-            k, v = kbuf[:, :, : past + t], vbuf[:, :, : past + t]  # [B, kv, S, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
-        )  # [B, h, T, D]
-        return self.dense(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        if kv is None:
+            return q, k, v
+        kbuf, vbuf = kv
+        kbuf[:, :, past : past + t] = k
+        vbuf[:, :, past : past + t] = v
+        return q, kbuf[:, :, : past + t], vbuf[:, :, : past + t]
+
+    def _qkv_fused(self, qkv, rotary, cos, sin, kv, past) -> tuple[Tensor, Tensor, Tensor]:
+        """As `_qkv`, in one kernel that also writes the new keys/values into the cache."""
+        from oled.kernels.norm import qk_norm_rotary
+
+        b, t, _ = qkv.shape
+        if kv is None:
+            k_out = qkv.new_empty(b, self.kv_heads, t, self.head_dim)  # [B, kv, T, D]
+            v_out = torch.empty_like(k_out)
+        else:
+            k_out, v_out = kv[0][:, :, past : past + t], kv[1][:, :, past : past + t]
+        q = qk_norm_rotary(
+            qkv, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+            q_weight=self.query_layernorm.weight, k_weight=self.key_layernorm.weight,
+            eps=self.query_layernorm.eps, cos=cos, sin=sin, rotary_dim=rotary.dim,
+            k_out=k_out, v_out=v_out,
+        )  # fmt: skip
+        if kv is None:
+            return q, k_out, v_out
+        return q, kv[0][:, :, : past + t], kv[1][:, :, : past + t]
 
 
 class MLP(nn.Module):
@@ -149,6 +183,13 @@ def route(
     normalise: bool,
 ) -> tuple[Tensor, Tensor]:
     """Group-limited top-k over sigmoid scores (DESIGN.md section 4). x [T, H]."""
+    if kernels.fused(x):
+        from oled.kernels.route import fused_route
+
+        return fused_route(
+            x, weight, bias, top_k=top_k, n_group=n_group, topk_group=topk_group, scale=scale,
+            normalise=normalise,
+        )  # fmt: skip
     t, e = x.shape[0], weight.shape[0]
     with _no_autocast(x.device):  # router_dtype fp32, also inside a bf16 autocast region
         scores = torch.sigmoid(x.float() @ weight.float().t())  # [T, E]

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from oled import kernels
 from oled.model.experts import ExpertStore, expert_pairs
 from oled.policies.base import CostModel
 
@@ -24,6 +25,7 @@ def machine_key(store: ExpertStore, device: torch.device) -> str:
         str(store.w13[0].dtype),
         str(store.pinned),
         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        kernels.describe(device),
     ]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 

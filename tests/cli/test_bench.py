@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import torch
 from typer.testing import CliRunner
 
 from oled import bench
@@ -88,24 +89,45 @@ def test_bad_recipe_fails_with_one_line(tmp_path):
 
 
 def test_stage_times_go_to_the_innermost_stage():
-    """Kernels count for the innermost enclosing stage, 'other' outside every stage."""
+    """A kernel or copy counts for the innermost stage around its host API call (found by
+    correlation id; Triton's kernels have no torch op), else around the op it is linked to,
+    else for 'other'; stage ranges mirrored on the device and syncs do not count."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
-    def event(name, kernels=(), children=()):
-        e = SimpleNamespace(name=name, kernels=[SimpleNamespace(duration=d) for d in kernels],
-                            cpu_children=list(children), cpu_parent=None)  # fmt: skip
-        for child in e.cpu_children:
+    def host(name, children=(), id=0):
+        e = SimpleNamespace(name=name, device_type=cpu, id=id, cpu_parent=None,
+                            cpu_children=list(children))  # fmt: skip
+        for child in children:
             child.cpu_parent = e
         return e
 
-    mm = event("aten::mm", [5.0])
-    copies = event("copies", [7.0])
-    decision = event("host decision", [1.0], [copies])
-    routed = event("grouped GEMM", [], [event("aten::_grouped_mm", [30.0, 2.0])])
-    layer = event("attention", [], [mm])
-    loose = event("aten::add", [4.0])
-    events = [layer, mm, decision, copies, routed, *routed.cpu_children, loose]
-    assert bench._stage_device_us(events) == {
-        "attention": 5.0, "host decision": 1.0, "copies": 7.0, "grouped GEMM": 32.0, "other": 4.0,
+    def device(id, us, linked=0, kind="kernel", name="kernel"):
+        return SimpleNamespace(name=name, device_type=cuda, id=id, cpu_parent=None,
+                               linked_correlation_id=linked, activity_type=kind,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))  # fmt: skip
+
+    mm = host("aten::mm", [host("cudaLaunchKernel", id=1)], id=500)
+    attention = host("attention", [mm])
+    copy = host("aten::copy_", [host("cudaMemcpyAsync", id=2)], id=501)
+    decision = host("host decision", [host("copies", [copy])])
+    routing = host("routing", [host("cuLaunchKernelEx", id=3)])  # a Triton launch
+    linked_only = host("aten::_grouped_mm", id=502)  # its launch call was not recorded
+    routed = host("grouped GEMM", [linked_only])
+    loose = host("aten::add", [host("cudaLaunchKernel", id=4)], id=503)
+    hosts = [attention, decision, routing, routed, loose]
+    flat = []
+    for root in hosts:
+        stack = [root]
+        while stack:
+            e = stack.pop()
+            flat.append(e)
+            stack += e.cpu_children
+    kernels = [device(1, 5.0, linked=500), device(2, 7.0, linked=501), device(3, 3.0),
+               device(9, 30.0, linked=502), device(4, 4.0, linked=503), device(8, 0.5),
+               device(10, 99.0, kind="gpu_user_annotation", name="routing"),
+               device(11, 50.0, kind="cuda_sync", name="Stream Sync")]  # fmt: skip
+    assert bench._stage_device_us(flat + kernels) == {
+        "attention": 5.0, "copies": 7.0, "routing": 3.0, "grouped GEMM": 30.0, "other": 4.5,
     }  # fmt: skip
 
 
@@ -113,4 +135,16 @@ def test_bench_eager_flag(tiny_dir):
     args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--eager", "--gen-length", "4",
             "--block-length", "4", "--prompt-length", "8", "--runs", "1", "--warmup-runs", "0"]  # fmt: skip
     result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+
+
+def test_kernels_flag_errors_before_loading(tiny_dir, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # outside the interpreter, triton needs CUDA
+    base = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--gen-length", "4"]
+    for kernels, message in (("triton", "need a CUDA device"), ("fast", "unknown kernels")):
+        result = runner.invoke(app, [*base, "--kernels", kernels])
+        assert result.exit_code == 2, result.output
+        assert message in result.output
+    result = runner.invoke(app, [*base, "--kernels", "torch", "--block-length", "4",
+                                 "--prompt-length", "8", "--runs", "1", "--warmup-runs", "0"])  # fmt: skip
     assert result.exit_code == 0, result.output
