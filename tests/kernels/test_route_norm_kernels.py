@@ -204,6 +204,17 @@ def torch_attention_inputs(attn, qkv, rotary, cos, sin, kv, past):
     return seen["q"]
 
 
+def kernel_qk(cfg, qkv, weights, cos, sin, cache, past):
+    """qk_norm_rotary on qkv [B, T, W], writing keys/values at `past` of cache (kbuf, vbuf)."""
+    t = qkv.shape[1]
+    return qk_norm_rotary(
+        qkv, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, q_weight=weights[0], k_weight=weights[1], eps=cfg.rms_norm_eps,
+        cos=cos, sin=sin, rotary_dim=cfg.rotary_dim, k_out=cache[0][:, :, past : past + t],
+        v_out=cache[1][:, :, past : past + t],
+    )  # fmt: skip
+
+
 def check_qk_norm_rotary(cfg, *, b, t, past, s_max, dtype, device, exact, seed=0):
     """The kernel's q and cache writes against Attention.forward on the same qkv."""
     attn = make_attention(cfg, dtype, device, seed)
@@ -221,20 +232,8 @@ def check_qk_norm_rotary(cfg, *, b, t, past, s_max, dtype, device, exact, seed=0
     ref_k, ref_v = kbuf.clone(), vbuf.clone()
     ref_q = torch_attention_inputs(attn, qkv, rotary, cos, sin, (ref_k, ref_v), past)
 
-    q = qk_norm_rotary(
-        qkv,
-        heads=cfg.num_attention_heads,
-        kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        q_weight=attn.query_layernorm.weight.detach(),
-        k_weight=attn.key_layernorm.weight.detach(),
-        eps=cfg.rms_norm_eps,
-        cos=cos,
-        sin=sin,
-        rotary_dim=cfg.rotary_dim,
-        k_out=kbuf[:, :, past : past + t],
-        v_out=vbuf[:, :, past : past + t],
-    )
+    weights = attn.query_layernorm.weight.detach(), attn.key_layernorm.weight.detach()
+    q = kernel_qk(cfg, qkv, weights, cos, sin, (kbuf, vbuf), past)
     assert q.shape == (b, cfg.num_attention_heads, t, cfg.head_dim) and q.is_contiguous()
     assert torch.equal(vbuf, ref_v)
     if exact:
@@ -384,20 +383,7 @@ def test_gpu_graph_qk_norm_rotary():
     kw = torch.randn(cfg.head_dim, device=CUDA).bfloat16()
 
     def fn(qkv):
-        q = qk_norm_rotary(
-            qkv,
-            heads=cfg.num_attention_heads,
-            kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            q_weight=qw,
-            k_weight=kw,
-            eps=cfg.rms_norm_eps,
-            cos=cos,
-            sin=sin,
-            rotary_dim=cfg.rotary_dim,
-            k_out=kbuf[:, :, past : past + t],
-            v_out=vbuf[:, :, past : past + t],
-        )
+        q = kernel_qk(cfg, qkv, (qw, kw), cos, sin, (kbuf, vbuf), past)
         return q, kbuf.clone(), vbuf.clone()
 
     def inputs(seed):
