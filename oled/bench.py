@@ -262,6 +262,8 @@ def table(rows: list[dict[str, Any]]):
 
     m = machine()
     caption = f"{m['gpu'] if m['gpu'] != 'none' else platform.processor() or 'cpu'}, torch {m['torch']}, {time.strftime('%Y-%m-%d')}"
+    used = sorted({row["kernels"] for row in rows if "kernels" in row})
+    caption += f", kernels: {' / '.join(used)}" if used else ""
     out = Table(show_edge=False, header_style="bold", caption=caption)
     cols = ["config", "ms/iter p50", "ms/iter p90", "tokens/s", "tokens/fwd"]
     ratios = len(rows) > 1

@@ -11,7 +11,8 @@ from importlib import metadata
 from pathlib import Path
 
 PACKAGES = ("oled-moe", "safetensors", "tokenizers", "numpy", "pydantic", "typer",
-            "rich", "fastapi", "uvicorn", "mlflow-skinny", "mlflow", "optuna", "matplotlib")  # fmt: skip
+            "rich", "fastapi", "uvicorn", "mlflow-skinny", "mlflow", "optuna", "matplotlib",
+            "triton")  # fmt: skip
 
 
 @dataclass
@@ -71,9 +72,19 @@ def cuda_rows(report: Report, *, bandwidth: bool) -> None:
         prop = torch.cuda.get_device_properties(i)
         report.add(f"GPU {i}", f"{prop.name}, {prop.total_memory / 2**30:.1f} GiB, "
                                f"compute {prop.major}.{prop.minor}")  # fmt: skip
+    report.add("fused kernels", kernel_row())
     if bandwidth:
         gbps = pinned_copy_bandwidth()
         report.add("host->GPU copy, pinned, 64 MiB", f"{gbps:.1f} GB/s")
+
+
+def kernel_row() -> str:
+    """Which kernels CUDA runs by default (`--kernels auto`)."""
+    from oled import kernels
+
+    if kernels.triton_available():
+        return "Triton (the default; --kernels torch for torch's own)"
+    return "torch's own: triton is not installed, so --kernels auto falls back to them"
 
 
 def driver_version() -> str:

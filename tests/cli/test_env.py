@@ -40,3 +40,12 @@ def test_require_cuda_fails_clearly_without_a_gpu():
     assert result.exit_code == 1
     assert "CUDA is required but not available" in result.output
     assert "CPU-only build" in result.output
+
+
+def test_kernel_row_names_what_cuda_runs(monkeypatch):
+    from oled import env, kernels
+
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    assert env.kernel_row().startswith("Triton")
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    assert "falls back" in env.kernel_row()
