@@ -148,7 +148,7 @@ def test_rms_norm_exact_values_equal_torch(d, dtype, weight_dtype):
     assert torch.equal(out, torch_rms_norm(x, weight, 1e-6))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rms_norm_random_values(dtype):
     x = (torch.randn(4, 9, 128) * 3).to(DEVICE, dtype)
     weight = torch.randn(128).to(DEVICE, dtype)
@@ -248,7 +248,7 @@ def check_qk_norm_rotary(cfg, *, b, t, past, s_max, dtype, device, exact, seed=0
 
 
 @pytest.mark.parametrize("exact", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_qk_norm_rotary_matches_attention(dtype, exact):
     check_qk_norm_rotary(
         tiny_config(), b=2, t=5, past=3, s_max=12, dtype=dtype, device=DEVICE, exact=exact
