@@ -32,12 +32,14 @@ its weight, whatever the slot placement, the table size or the other pairs of th
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from oled.kernels import interpreting
+from oled.kernels.common import round_bf16
 
 BLOCK_M = 32  # rows of one expert per tile: a whole 32-token decode block in one pass
 NUM_WARPS = 4
@@ -109,12 +111,10 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _round(v, dtype: tl.constexpr, BF16_BITS: tl.constexpr):
-    """fp32 v rounded to dtype (to nearest even), returned as fp32. With BF16_BITS the bf16
-    rounding is done on the bits: the interpreter's own fp32 -> bf16 cast truncates."""
+    """fp32 v rounded to dtype (to nearest even), returned as fp32; with BF16_BITS on the bits
+    (the interpreter's own fp32 -> bf16 cast truncates)."""
     if BF16_BITS:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return round_bf16(v)
     return v.to(dtype).to(tl.float32)
 
 
@@ -284,7 +284,7 @@ def fused_expert_pairs(
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)  # [P, I] sorted rows
     out = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]
 
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     ieee = x.dtype == torch.float32 or interpret  # the interpreter's bf16 dots are wrong
     bf16_bits = interpret and x.dtype == torch.bfloat16
     max_groups = min(w13.shape[0] + 1, p)

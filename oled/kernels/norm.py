@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from oled.kernels.common import round_bf16
+
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # dtype -> rounding mode
 
 
@@ -20,9 +22,7 @@ _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # dtype -> rou
 def _round(x, ROUND: tl.constexpr):
     """fp32 x rounded to the model dtype (0: fp32, 1: bf16, 2: fp16), kept in fp32."""
     if ROUND == 1:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # round to nearest even
-        y = bits.to(tl.float32, bitcast=True)
+        y = round_bf16(x)
     elif ROUND == 2:
         y = x.to(tl.float16).to(tl.float32)
     else:

@@ -1,18 +1,13 @@
-"""LLaDA2's group-limited sigmoid routing: the router GEMM in torch, the rest in one Triton kernel.
+"""LLaDA2's group-limited sigmoid routing after the router GEMM, in one Triton kernel.
 
-The GEMM stays in torch (cuBLAS) on purpose: with an fp32 weight it is the very op the
-reference runs, so the logits are bit-identical and the expert choice cannot flip at near-ties
-(with a 16-bit weight on CUDA it is cuBLAS's 16-bit GEMM with fp32 sums, about 5 us instead of
-11 us at T=32, H=2048, E=256 on an H200); a GEMV per token row inside the routing kernel would
-stream the whole router weight once per row from L2 on only T SMs (T=32 at decode), which is
-no faster than cuBLAS plus one launch.
-Everything after the GEMM (sigmoid, bias, group scores, group choice, top-k, gather,
-normalisation, scaling) is one launch.
+The GEMM is the reference's own (`oled.model.layers.router_logits`, fp32 cuBLAS), so the logits
+are bit-identical and the expert choice cannot flip at near-ties; a GEMV per token row inside
+the kernel would stream the whole router weight once per row from L2 on only T SMs (T=32 at
+decode), no faster than cuBLAS plus one launch. Everything after it (sigmoid, bias, group
+scores, group choice, top-k, gather, normalisation, scaling) is one launch.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -20,9 +15,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from oled.model.layers import _no_autocast
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter has no libdevice
+from oled.kernels import interpreting
+from oled.model.layers import router_logits
 
 
 @triton.jit
@@ -105,29 +99,30 @@ def fused_route(
     normalise: bool,
 ) -> tuple[Tensor, Tensor]:
     """Same contract as oled.model.layers.route: x [T, H]; weight [E, H]; bias [E] -> (ids
-    [T, K] int64, weights [T, K] fp32).
+    [T, K] int64, weights [T, K] fp32); the reference's GEMM, then `select_experts`."""
+    return select_experts(
+        router_logits(x, weight), bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+        scale=scale, normalise=normalise,
+    )  # fmt: skip
 
-    The logits: with an fp32 weight, the reference's own fp32 GEMM (bit-identical logits); on
-    CUDA with a weight in x's 16-bit dtype, cuBLAS's 16-bit GEMM with fp32 accumulation and
-    output (the same exact products, summed in another order: about half the time, and no
-    per-call conversion of the weight); otherwise the weight is converted per call, as the
-    reference does. ids come in descending biased-score order with ties broken by the lower
-    expert id (torch.topk leaves the order of ties unspecified); kept groups are chosen the
-    same way. Needs E divisible by n_group and at least top_k experts in the kept groups. No
-    host sync; capturable in a CUDA graph.
+
+def select_experts(
+    logits: Tensor, bias: Tensor, *, top_k: int, n_group: int, topk_group: int, scale: float,
+    normalise: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Router logits [T, E] fp32 -> (ids [T, K] int64, weights [T, K] fp32), as `route` after
+    its GEMM. ids come in descending biased-score order with ties broken by the lower expert id
+    (torch.topk leaves the order of ties unspecified); kept groups are chosen the same way.
+    Needs E divisible by n_group and at least top_k experts in the kept groups. No host sync;
+    capturable in a CUDA graph.
     """
-    t, e = x.shape[0], weight.shape[0]
+    t, e = logits.shape
     if e % n_group or e // n_group < 2:
         raise ValueError(f"{e} experts do not split into {n_group} groups of at least 2")
     if not 0 < topk_group <= n_group or not 0 < top_k <= topk_group * (e // n_group):
         raise ValueError(f"cannot pick {top_k} experts from {topk_group} of {n_group} groups")
-    with _no_autocast(x.device):
-        if x.is_cuda and weight.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16):
-            logits = torch.mm(x, weight.t(), out_dtype=torch.float32)  # [T, E], fp32 sums
-        else:
-            logits = x.float() @ weight.float().t()  # [T, E] fp32, the reference's GEMM
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)  # [T, K]
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)  # [T, K]
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)  # [T, K]
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)  # [T, K]
     if t == 0:
         return ids, weights
     _route_kernel[(t,)](
@@ -146,7 +141,7 @@ def fused_route(
         BLOCK_EG=triton.next_power_of_2(e // n_group),
         BLOCK_K=triton.next_power_of_2(top_k),
         NORMALISE=normalise,
-        INTERPRET=_INTERPRET,
+        INTERPRET=interpreting(),  # the interpreter has no libdevice
         num_warps=1,
         enable_fp_fusion=False,
     )

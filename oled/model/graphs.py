@@ -172,28 +172,23 @@ class GraphedForward(EagerForward):
             or self._hooked()
             or not self.warm
         )
-        if eager:
-            self.warm = self.warm or cache is not None
-            return super().__call__(
-                tokens, start=start, cache=cache, block_length=block_length,
-                logits_from=logits_from,
-            )  # fmt: skip
-        try:
-            return self._graphed(tokens, start, block_length, logits_from)
-        except RuntimeError as err:
+        if not eager:
             key = (tuple(tokens.shape), start, block_length, logits_from)
-            if key in self.retried:  # an op this torch cannot capture: stay eager from now on
-                self.failed = f"CUDA graph capture failed, running eagerly: {err}"
-                warnings.warn(self.failed, stacklevel=2)
-            self.retried.add(key)
-            return super().__call__(
-                tokens, start=start, cache=cache, block_length=block_length,
-                logits_from=logits_from,
-            )  # fmt: skip
+            try:
+                return self._graphed(key, tokens, start, block_length, logits_from)
+            except RuntimeError as err:
+                if key in self.retried:  # an op this torch cannot capture: eager from now on
+                    self.failed = f"CUDA graph capture failed, running eagerly: {err}"
+                    warnings.warn(self.failed, stacklevel=2)
+                self.retried.add(key)
+        self.warm = self.warm or cache is not None
+        return super().__call__(
+            tokens, start=start, cache=cache, block_length=block_length, logits_from=logits_from
+        )
 
-    def _graphed(self, tokens: Tensor, start: int, block_length: int, logits_from: int):
+    def _graphed(self, key: tuple, tokens: Tensor, start: int, block_length: int,
+                 logits_from: int):  # fmt: skip
         """Replay the key's graphs (captured first if new); the logits [B, T', V]."""
-        key = (tuple(tokens.shape), start, block_length, logits_from)
         entry = self.captured.get(key)
         if entry is None:
             entry = self._capture(tokens, start, block_length, logits_from)

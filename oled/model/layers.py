@@ -183,16 +183,16 @@ def route(
     normalise: bool,
 ) -> tuple[Tensor, Tensor]:
     """Group-limited top-k over sigmoid scores (DESIGN.md section 4). x [T, H]."""
+    logits = router_logits(x, weight)  # [T, E] fp32
     if kernels.fused(x):
-        from oled.kernels.route import fused_route
+        from oled.kernels.route import select_experts
 
-        return fused_route(
-            x, weight, bias, top_k=top_k, n_group=n_group, topk_group=topk_group, scale=scale,
+        return select_experts(
+            logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group, scale=scale,
             normalise=normalise,
         )  # fmt: skip
-    t, e = x.shape[0], weight.shape[0]
-    with _no_autocast(x.device):  # router_dtype fp32, also inside a bf16 autocast region
-        scores = torch.sigmoid(x.float() @ weight.float().t())  # [T, E]
+    t, e = logits.shape
+    scores = torch.sigmoid(logits)  # [T, E]
     biased = scores + bias.float()  # [T, E]: selection only
     groups = biased.view(t, n_group, e // n_group)  # [T, G, E/G]
     group_score = groups.topk(2, dim=-1).values.sum(-1)  # [T, G]
@@ -204,6 +204,12 @@ def route(
     if normalise:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return ids, weights * scale
+
+
+def router_logits(x: Tensor, weight: Tensor) -> Tensor:
+    """x [T, H] @ weight [E, H].T in fp32 (router_dtype), also inside a bf16 autocast region."""
+    with _no_autocast(x.device):
+        return x.float() @ weight.float().t()  # [T, E]
 
 
 def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:

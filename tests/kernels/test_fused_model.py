@@ -35,7 +35,7 @@ def logits(rt, mode: str) -> torch.Tensor:
         return rt.model(ids)[0]  # [T, V]
 
 
-FUSED = [("norm", "rms_norm"), ("norm", "qk_norm_rotary"), ("route", "fused_route"),
+FUSED = [("norm", "rms_norm"), ("norm", "qk_norm_rotary"), ("route", "select_experts"),
          ("moe", "fused_expert_pairs")]  # fmt: skip
 
 
@@ -56,9 +56,9 @@ def test_fused_logits_match_the_torch_kernels(tiny_dir, fused_mode, monkeypatch)
     fused = logits(rt, "triton")
     layers, moe = rt.config.num_hidden_layers, rt.config.num_moe_layers
     assert calls == {"rms_norm": 2 * layers + 1, "qk_norm_rotary": layers,
-                     "fused_route": moe, "fused_expert_pairs": moe}  # fmt: skip
+                     "select_experts": moe, "fused_expert_pairs": moe}  # fmt: skip
     plain = logits(rt, "torch")
-    assert calls["fused_route"] == moe  # the torch kernels call none of them
+    assert calls["select_experts"] == moe  # the torch kernels call none of them
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
 
 
