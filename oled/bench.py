@@ -79,14 +79,33 @@ def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3)
     return out
 
 
-class _ProfileWindow(DecodeObserver):
-    """Profiles iterations first .. first + count - 1 of a generation, stages annotated."""
+def host_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3):
+    """Host milliseconds per iteration of each stage range (inclusive: `copies` lies inside
+    `host decision`) and of each CUDA API call (cudaGraphLaunch, cudaMemcpyAsync, ...), from a
+    few iterations of one more generation run as the runtime runs it (graphs kept) under a
+    CPU-only profiler: where the host path spends its time."""
+    window = _ProfileWindow(first=1, count=iterations, device=False)
+    try:
+        run_once(rt, prompt, decode, [window])
+    finally:
+        window.stop()
+    totals: dict[str, float] = {}
+    for e in window.profiler.events():
+        if e.name in STAGES or _is_api_call(e.name):
+            totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us()
+    return {name: us / 1000 / max(1, window.seen) for name, us in totals.items()}
 
-    def __init__(self, *, first: int, count: int) -> None:
+
+class _ProfileWindow(DecodeObserver):
+    """Profiles iterations first .. first + count - 1 of a generation, stages annotated; the
+    device timeline too unless `device` is False."""
+
+    def __init__(self, *, first: int, count: int, device: bool = True) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         self.first, self.count, self.seen, self.running = first, count, 0, False
-        self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * device
+        self.profiler = profile(activities=activities)
 
     def on_iteration_start(self, block: int, iteration: int, step: int) -> None:
         if step == self.first:
@@ -189,6 +208,8 @@ def bench_runtime(rt: Runtime, cfg: BenchConfig, label: str) -> dict[str, Any]:
     row = summarise(label, runs, offload)
     if cfg.profile and rt.device.type == "cuda":
         row["stages_ms_per_iteration"] = stage_breakdown(rt, prompt, decode)
+    if cfg.profile:
+        row["host_ms_per_iteration"] = host_breakdown(rt, prompt, decode)
     row["output"] = hashlib.sha1(repr(outputs[0]).encode()).hexdigest()[:12]  # the tokens, short
     row["kernels"] = kernels.describe(rt.device)
     row["graphs"] = bool(getattr(rt.forward, "graphed", False)) and rt.device.type == "cuda"
@@ -222,7 +243,9 @@ def _p90(values: list[float]) -> float:
 def _offload_summary(per_run: list[dict], iterations: int) -> dict[str, float]:
     """Means of the engine's rates; its totals per iteration."""
     out: dict[str, float] = {}
-    for key in ("hit_rate", "cpu_share", "host_us_per_layer", "sync_us_per_layer"):
+    for key in (
+        "hit_rate", "cpu_share", "host_us_per_layer", "plan_us_per_layer", "sync_us_per_layer",
+    ):  # fmt: skip
         values = [float(o[key]) for o in per_run if key in o]
         if values:
             out[key] = statistics.fmean(values)
@@ -230,6 +253,8 @@ def _offload_summary(per_run: list[dict], iterations: int) -> dict[str, float]:
         values = [float(o[key]) for o in per_run if key in o]
         if values and iterations:
             out[f"{key}_per_iteration"] = sum(values) / iterations
+    if out.get("copy_ms_per_iteration"):  # bytes over the copy stream's busy time
+        out["copy_gb_per_s"] = out["copy_bytes_per_iteration"] / out["copy_ms_per_iteration"] / 1e6
     return out
 
 
@@ -276,7 +301,9 @@ def table(rows: list[dict[str, Any]]):
         "CPU share",
         "stall ms/it",
         "copy ms/it",
+        "copy GB/s",
         "host µs/layer",
+        "plan µs/layer",
         "sync µs/layer",
     ] * offload
     for col in cols:
@@ -294,7 +321,9 @@ def table(rows: list[dict[str, Any]]):
                       _fmt(o.get("cpu_share"), "{:.1%}"),
                       _fmt(o.get("stall_ms_per_iteration"), "{:.2f}"),
                       _fmt(o.get("copy_ms_per_iteration"), "{:.2f}"),
+                      _fmt(o.get("copy_gb_per_s"), "{:.1f}"),
                       _fmt(o.get("host_us_per_layer"), "{:.0f}"),
+                      _fmt(o.get("plan_us_per_layer"), "{:.0f}"),
                       _fmt(o.get("sync_us_per_layer"), "{:.0f}")]  # fmt: skip
         out.add_row(*cells)
     return out
@@ -314,6 +343,25 @@ def stage_table(rows: list[dict[str, Any]]):
         total = sum(v for k, v in stages.items() if k != "CPU experts") if stages else None
         out.add_row(r["label"], *(_fmt(stages.get(n), "{:.3f}") for n in names),
                     _fmt(total, "{:.3f}"))  # fmt: skip
+    return out
+
+
+def host_table(rows: list[dict[str, Any]], columns: int = 12):
+    """The host milliseconds per iteration of the stages and API calls that take the most."""
+    from rich.table import Table
+
+    peak: dict[str, float] = {}
+    for r in rows:
+        for name, ms in r.get("host_ms_per_iteration", {}).items():
+            peak[name] = max(peak.get(name, 0.0), ms)
+    names = sorted(peak, key=peak.get, reverse=True)[:columns]
+    title = "host ms per iteration by stage (inclusive) and CUDA API call (graphs as run)"
+    out = Table(show_edge=False, header_style="bold", title=title)
+    for col in ["config", *names]:
+        out.add_column(col, justify="left" if col == "config" else "right")
+    for r in rows:
+        host = r.get("host_ms_per_iteration", {})
+        out.add_row(r["label"], *(_fmt(host.get(n), "{:.3f}") for n in names))
     return out
 
 

@@ -186,7 +186,7 @@ def bench(
         used = str(rt.device)
         if profile and rt.device.type != "cuda":
             err_console.print(f"[yellow]--profile: no device timeline on {rt.device}; "
-                              "no per-stage breakdown[/yellow]")  # fmt: skip
+                              "host time per stage only[/yellow]")  # fmt: skip
         err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed runs, "
                           f"prompt {cfg.prompt_length}, {cfg.gen_length} tokens[/dim]")  # fmt: skip
         rows.append(b.bench_runtime(rt, cfg, label))
@@ -198,6 +198,8 @@ def bench(
     out.print(b.table(rows))
     if any("stages_ms_per_iteration" in r for r in rows):
         out.print(b.stage_table(rows))
+    if any("host_ms_per_iteration" in r for r in rows):
+        out.print(b.host_table(rows))
     if report_dir is not None:
         err_console.print(f"[dim]report: {b.write_report(report_dir, cfg, rows, used)}[/dim]")
 

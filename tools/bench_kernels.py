@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ from oled import kernels  # noqa: E402
 from oled.model.config import mini_config  # noqa: E402
 from oled.model.experts import combine, expert_pairs  # noqa: E402
 from oled.model.layers import Attention, RMSNorm, Rotary, Router  # noqa: E402
+from oled.offload import copies  # noqa: E402
+from oled.offload.copies import Rows  # noqa: E402
 
 
 def graph_ms(fn, *args, replays: int = 200) -> float:
@@ -58,9 +61,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="reports/kernels.json")
     ap.add_argument("--kernels", default="torch,auto", help="kernel modes to time, in order")
+    ap.add_argument("--copies-only", action="store_true", help="only the copy rates")
     args = ap.parse_args()
     rows: list[tuple[str, float]] = []
-    for mode in args.kernels.split(","):
+    for mode in [] if args.copies_only else args.kernels.split(","):
         kernels.use(mode)
         tag = f" [{kernels.describe(torch.device('cuda'))}]"
         rows += [(name + tag, ms) for name, ms in stage_rows()]
@@ -136,14 +140,22 @@ def copy_rows() -> list[tuple[str, float]]:
     nbytes = host13.numel() * 2 + host2.numel() * 2
     stream = torch.cuda.Stream()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    src, dst = Rows.of(host13, host2), Rows.of(dst13, dst2)
+    every = list(range(64))
     for label, launch in (
         ("64 experts, 128 copies", lambda: torch._foreach_copy_(
             [*dst13, *dst2], [*host13, *host2], non_blocking=True)),
+        ("64 experts, 128 copies through the runtime", lambda: copies.launch(
+            src, dst, every, every, stream)),
         ("64 experts, 2 copies", lambda: (dst13.copy_(host13, non_blocking=True),
                                           dst2.copy_(host2, non_blocking=True))),
     ):  # fmt: skip
         with torch.cuda.stream(stream):
             launch()
+            stream.synchronize()
+            host_s = time.perf_counter()
+            launch()  # onto an idle stream: the host time of the launches alone
+            host_s = time.perf_counter() - host_s
             start.record()
             for _ in range(5):
                 launch()
@@ -151,6 +163,8 @@ def copy_rows() -> list[tuple[str, float]]:
         end.synchronize()
         ms = start.elapsed_time(end) / 5
         rows.append((f"pinned copy, {label}: GB/s", nbytes / ms / 1e6))
+        if "128" in label:
+            rows.append((f"pinned copy, {label}: host µs per copy", 1e6 * host_s / 128))
     return rows
 
 

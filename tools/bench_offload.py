@@ -26,6 +26,7 @@ from oled.bench import (  # noqa: E402
     BenchConfig,
     bench_decode,
     bench_runtime,
+    host_table,
     random_prompt,
     run_once,
     stage_table,
@@ -137,6 +138,9 @@ def main() -> None:
                          observers=[engine], graphs=graphs, kernels=kernels)  # fmt: skip
             label = f"{name} @ {frac:g}" + ("" if graphs else " eager") + suffix(kernels)
             rows.append(bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), label))
+            if hasattr(p["compensation"], "slowdown"):  # learned from the measured CPU experts
+                rows[-1]["cpu_slowdown"] = p["compensation"].slowdown
+                print(f"{label}: CPU-expert slowdown now {p['compensation'].slowdown:.2f}")
             if graphs and kernels == kernel_modes[0] and args.cprofile == f"{name}@{frac:g}":
                 host_profile(rt, cfg, Path(args.report_dir) / "host_profile.txt")
             engine.close()
@@ -147,6 +151,7 @@ def main() -> None:
     console.print(table(with_ratios(rows)))
     if args.profile:
         console.print(stage_table(rows))
+        console.print(host_table(rows))
     print(f"report: {write_report(Path(args.report_dir), cfg, rows, str(dev))}")
 
 

@@ -72,10 +72,12 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """Grouped GEMM: rows a[offs[g-1]:offs[g]] @ b[g]. a [N, K], b [G, K, M], offs [G] int32.
 
     Uses `torch._grouped_mm` where this torch and device support it (checked once per device
-    type and dtype), else a per-group loop (a fallback for old torch or unsupported GPUs).
+    type and dtype), else a loop over the groups that have rows. The loop also serves the CPU:
+    there `_grouped_mm` runs the same matmul per group but pays for every empty group too (a CPU
+    expert's call has 1-2 groups with rows out of 256).
     """
     key = (a.device.type, a.dtype)
-    if _GROUPED_MM_OK.get(key, True) and hasattr(torch, "_grouped_mm"):
+    if a.device.type != "cpu" and _GROUPED_MM_OK.get(key, True) and hasattr(torch, "_grouped_mm"):
         try:
             out = torch._grouped_mm(a, b, offs=offs)
             _GROUPED_MM_OK[key] = True
@@ -96,9 +98,10 @@ def expert_pairs(x: Tensor, slots: Tensor, weights: Tensor, w13: Tensor, w2: Ten
 
     x [T, H]; slots [T, K] int64 row of each pair in the table, -1 for pairs computed elsewhere;
     weights [T, K] fp32; w13 [S, 2I, H]; w2 [S, H, I]. Returns [T, K, H] fp32 with zeros where
-    slots < 0. No host sync and static shapes (so CUDA graphs can capture it): one sort, a
-    searchsorted for the group offsets, two grouped GEMMs, one scatter. On CUDA the fused
-    Triton kernels of `oled.kernels.moe` compute the same contract (`oled.kernels.fused`).
+    slots < 0. On a GPU: no host sync and static shapes (so CUDA graphs can capture it): one
+    sort, a searchsorted for the group offsets, two grouped GEMMs, one scatter; the fused Triton
+    kernels of `oled.kernels.moe` compute the same contract (`oled.kernels.fused`). On the CPU:
+    `expert_rows`, scattered.
     """
     if kernels.fused(x):
         from oled.kernels.moe import fused_expert_pairs
@@ -106,22 +109,51 @@ def expert_pairs(x: Tensor, slots: Tensor, weights: Tensor, w13: Tensor, w2: Ten
         with kernels.serial():
             return fused_expert_pairs(x, slots, weights, w13, w2)
     t, k = slots.shape
-    s = w13.shape[0]
-    flat = slots.reshape(-1)  # [T*K]
-    flat = torch.where(flat < 0, s, flat)  # pairs done elsewhere sort last, past every group
-    order = torch.argsort(flat, stable=True)  # [T*K]
-    grouped = flat[order]  # [T*K] slot of each pair, ascending
-    ends = torch.arange(1, s + 1, device=flat.device)  # [S]
-    offs = torch.searchsorted(grouped, ends, out_int32=True)  # [S] end of each slot's rows
-    xs = x[order // k]  # [T*K, H] tokens grouped by slot
-    h = grouped_mm(xs, w13.transpose(-2, -1), offs)  # [T*K, 2I]
-    gate, up = h.chunk(2, dim=-1)
-    y = grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs)  # [T*K, H]
-    valid = (grouped < s).unsqueeze(-1)  # [T*K, 1]
-    y = torch.where(valid, y.float() * weights.reshape(-1)[order].unsqueeze(-1), 0.0)
+    if x.device.type == "cpu":
+        index, rows = expert_rows(x, slots, weights, w13, w2)
+        out = torch.zeros(t * k, x.shape[-1], dtype=torch.float32)
+        out[index] = rows
+        return out.view(t, k, -1)
+    order, grouped = _by_slot(slots, w13.shape[0])
+    y = _weighted_mlp(x, order, grouped, k, weights, w13, w2)  # [T*K, H]
+    y = torch.where((grouped < w13.shape[0]).unsqueeze(-1), y, 0.0)
     out = torch.empty(t * k, x.shape[-1], dtype=torch.float32, device=x.device)
     out[order] = y
     return out.view(t, k, -1)
+
+
+def expert_rows(
+    x: Tensor, slots: Tensor, weights: Tensor, w13: Tensor, w2: Tensor
+) -> tuple[Tensor, Tensor]:
+    """On the CPU, only the pairs this table computes: (index [N] of each pair in the T*K
+    flattened pairs, its weighted output [N, H] fp32); the same values as `expert_pairs`.
+    A CPU expert's call has a few rows of the T*K, and touching all of them costs milliseconds.
+    """
+    s = w13.shape[0]
+    order, grouped = _by_slot(slots, s)
+    n = int(torch.count_nonzero(grouped < s))  # valid pairs sort first
+    order, grouped = order[:n], grouped[:n]  # [N]
+    return order, _weighted_mlp(x, order, grouped, slots.shape[1], weights, w13, w2)
+
+
+def _by_slot(slots: Tensor, s: int) -> tuple[Tensor, Tensor]:
+    """Pairs sorted by slot: (order [T*K] into the flattened pairs, slot of each [T*K]); pairs
+    done elsewhere (slot -1) get slot s and sort last, past every group."""
+    flat = slots.reshape(-1)  # [T*K]
+    flat = torch.where(flat < 0, s, flat)
+    order = torch.argsort(flat, stable=True)  # [T*K]
+    return order, flat[order]
+
+
+def _weighted_mlp(x, order, grouped, k: int, weights, w13, w2) -> Tensor:
+    """Gate weight x SwiGLU expert of each sorted pair: [N, H] fp32 (N = len(order))."""
+    ends = torch.arange(1, w13.shape[0] + 1, device=x.device)  # [S]
+    offs = torch.searchsorted(grouped, ends, out_int32=True)  # [S] end of each slot's rows
+    xs = x[order // k]  # [N, H] tokens grouped by slot
+    h = grouped_mm(xs, w13.transpose(-2, -1), offs)  # [N, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    y = grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs)  # [N, H]
+    return y.float() * weights.reshape(-1)[order].unsqueeze(-1)
 
 
 def combine(pairs: Tensor, dtype: torch.dtype) -> Tensor:

@@ -12,8 +12,11 @@ import numpy as np
 import torch
 
 from oled import kernels
-from oled.model.experts import ExpertStore, expert_pairs
+from oled.model.experts import ExpertStore, expert_pairs, expert_rows
+from oled.offload.copies import Rows, launch
 from oled.policies.base import CostModel
+
+_PATHS = "rows-2"  # the engine's copy and CPU-expert paths: a new one measures again
 
 
 def machine_key(store: ExpertStore, device: torch.device) -> str:
@@ -26,6 +29,7 @@ def machine_key(store: ExpertStore, device: torch.device) -> str:
         str(store.pinned),
         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         kernels.describe(device),
+        _PATHS,
     ]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
@@ -72,15 +76,11 @@ def measure(store: ExpertStore, device: torch.device) -> CostModel:
     slot13 = torch.empty((n, *w13.shape[1:]), dtype=w13.dtype, device=device)
     slot2 = torch.empty((n, *w2.shape[1:]), dtype=w2.dtype, device=device)
 
-    def copy(count: int):
-        def run():
-            torch._foreach_copy_(
-                [slot13[i] for i in range(count)] + [slot2[i] for i in range(count)],
-                [w13[i] for i in range(count)] + [w2[i] for i in range(count)],
-                non_blocking=True,
-            )
+    src, dst = Rows.of(w13, w2), Rows.of(slot13, slot2)
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
-        return run
+    def copy(count: int):
+        return lambda: launch(src, dst, list(range(count)), list(range(count)), stream)
 
     one, many = _timed(copy(1), device), _timed(copy(n), device)
     copy_per = max((many - one) / max(1, n - 1), 1e-4)
@@ -103,8 +103,8 @@ def measure(store: ExpertStore, device: torch.device) -> CostModel:
 
 def _cpu_path_costs(w13, w2, device) -> tuple[float, float]:
     """Per-expert CPU cost as the engine pays it: activations to host, the CPU experts'
-    grouped GEMMs over the host table, the [T, K, H] result back to the device, and the
-    hand-off to the worker thread. Fitted as (fixed, per token) for one expert, with the
+    GEMMs over the host table, their rows back to the device, and the hand-off to the worker
+    thread. Fitted as (fixed, per token) for one expert, with the
     layer's fixed overhead shared out over a typical handful of CPU experts.
     """
     from concurrent.futures import ThreadPoolExecutor
@@ -123,8 +123,8 @@ def _cpu_path_costs(w13, w2, device) -> tuple[float, float]:
 
         def run():
             x_host = x.to("cpu")
-            job = pool.submit(expert_pairs, x_host, ids, weights, w13, w2)
-            return job.result().to(device)
+            job = pool.submit(expert_rows, x_host, ids, weights, w13, w2)
+            return [part.to(device) for part in job.result()]
 
         return run
 

@@ -19,10 +19,11 @@ import torch
 from torch import Tensor
 
 from oled.decoding.observers import BlockInfo, DecodeObserver, IterationInfo
-from oled.model.experts import ExpertStore, combine, expert_pairs
+from oled.model.experts import ExpertStore, combine, expert_pairs, expert_rows
 from oled.model.graphs import Graphs
 from oled.model.model import MoERequest
 from oled.model.stages import stage
+from oled.offload.copies import Rows, launch, transfer
 from oled.offload.metrics import EngineMetrics
 from oled.offload.planner import LayerPlan, Planner, Resize
 from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, Load, StepContext
@@ -43,10 +44,10 @@ class OffloadEngine(DecodeObserver):
         self.w2 = [self._table(c, 1, dtype) for c in planner.capacities]
         stage = planner.stage_capacity
         self.stage_w13, self.stage_w2 = self._table(stage, 0, dtype), self._table(stage, 1, dtype)
-        # one view per expert / slot, made once: building them per copy costs the hot path
-        self._src_rows = [_rows(a, b) for a, b in zip(store.w13, store.w2, strict=True)]
-        self._cache_rows = [_rows(a, b) for a, b in zip(self.w13, self.w2, strict=True)]
-        self._stage_rows = _rows(self.stage_w13, self.stage_w2)
+        # views and addresses per expert / slot, made once (the hot path copies by row)
+        self._src_rows = [Rows.of(a, b) for a, b in zip(store.w13, store.w2, strict=True)]
+        self._cache_rows = [Rows.of(a, b) for a, b in zip(self.w13, self.w2, strict=True)]
+        self._stage_rows = Rows.of(self.stage_w13, self.stage_w2)
         layers = store.num_layers
         stage_rounds = (
             -(-self.num_experts // planner.stage_capacity) if planner.stage_capacity else 0
@@ -56,13 +57,20 @@ class OffloadEngine(DecodeObserver):
         if self.cuda:
             self._maps_host = self._maps_host.pin_memory()
         self._maps_dev = torch.full((layers, rows, self.num_experts), -1, device=device)
+        self._maps_np = self._maps_host.numpy()  # [L, rows, E]
+        # the first n rows of each layer's maps, host and device, for every n (made once)
+        self._maps_host_rows = [[m[: n + 1] for n in range(rows)] for m in self._maps_host]
+        self._maps_dev_rows = [[m[: n + 1] for n in range(rows)] for m in self._maps_dev]
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._stage_free: torch.cuda.Event | None = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu-experts")
         self.metrics = EngineMetrics(layers)
         self._routing: list[tuple[np.ndarray, np.ndarray] | None] = [None] * layers
         self._events: list[tuple[int, torch.cuda.Event, ...]] = []
+        self._timing = _EventPool()
         self._copy_busy = self._cpu_busy = 0.0
+        self._compute: torch.cuda.Stream | None = None  # the current layer call's stream
+        self._routing_host: dict[int, tuple[Tensor, Tensor]] = {}  # pinned, per token count
         self._static_io: dict[tuple[int, int], tuple[MoERequest, Tensor]] = {}
         self.graphs = Graphs() if self.cuda else None  # the GPU passes of static layer calls
         self._prefill()
@@ -122,27 +130,49 @@ class OffloadEngine(DecodeObserver):
         """The host decision and every expert pass of one layer: pairs [T, K, H] fp32, written
         into `into` (static, GPU passes as graphs) or a new tensor (eager)."""
         t0 = time.perf_counter()
-        k = r.ids.shape[1]
+        # the stream this layer computes on, looked up once (each lookup costs the hot path)
+        self._compute = torch.cuda.current_stream(self.device) if self.cuda else None
         with stage("routing to host"):
-            packed = torch.cat([r.ids.to(torch.float32), r.weights], dim=1).cpu()  # [T, 2K]
+            ids_np, w_np = self._routing_to_host(r)  # [T, K] int64, [T, K] fp32
         t1 = time.perf_counter()  # the layer's one sync is over
-        ids_np = packed[:, :k].numpy().astype(np.int64)  # [T, K]
-        w_np = packed[:, k:].numpy()  # [T, K]
         self._routing[layer] = (ids_np, w_np)
         with stage("host decision"):
             plan = self.planner.plan(layer, ids_np, w_np, self._load())
-            cpu_job = self._start_cpu(layer, r.x, ids_np, packed[:, k:], plan)
-            ready = self._copy(layer, plan)
+            t2 = time.perf_counter()
+            ready = self._copy(layer, plan)  # first: the copies are the longest path
+            cpu_job = self._start_cpu(layer, r.x, ids_np, torch.from_numpy(w_np), plan)
             maps = self._upload_maps(layer, plan)  # [rows, E] on the device
         with stage("grouped GEMM"):
             pairs = self._gpu_pairs(r, maps, plan, ready, into)  # [T, K, H] fp32
-        self._account(layer, plan, t1 - t0, time.perf_counter() - t1)
+        self._account(layer, plan, t1 - t0, t2 - t1, time.perf_counter() - t1)
         if cpu_job is not None:
             with stage("CPU experts"):
-                cpu_pairs, cpu_ms = cpu_job.result()
+                index, rows, cpu_ms = cpu_job.result()  # [N], [N, H] of the T*K pairs
                 self.metrics.add(layer, cpu_ms=cpu_ms)
-                pairs.add_(cpu_pairs.to(self.device, non_blocking=True))
+                self.planner.observe_cpu(layer, plan.cpu_tokens, cpu_ms)
+                flat = pairs.view(-1, pairs.shape[-1])  # [T*K, H]; zero at the CPU's pairs
+                dev = self.device
+                flat.index_add_(
+                    0, index.to(dev, non_blocking=True), rows.to(dev, non_blocking=True)
+                )
         return pairs
+
+    def _routing_to_host(self, r: MoERequest) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's one sync: ids [T, K] int64 and weights [T, K] fp32 as numpy arrays of
+        their own. On CUDA both go straight into pinned buffers (two copies, no kernels)."""
+        ids, weights = r.ids.to(torch.long).contiguous(), r.weights.float().contiguous()
+        if not self.cuda:
+            return ids.numpy().copy(), weights.numpy().copy()
+        t = ids.shape[0]
+        if t not in self._routing_host:
+            self._routing_host[t] = tuple(
+                torch.empty(a.shape, dtype=a.dtype, pin_memory=True) for a in (ids, weights)
+            )
+        host_ids, host_w = self._routing_host[t]
+        transfer(host_ids, ids, self._compute)
+        transfer(host_w, weights, self._compute)
+        self._compute.synchronize()
+        return host_ids.numpy().copy(), host_w.numpy().copy()
 
     def _load(self) -> Load:
         now = 1000 * time.perf_counter()
@@ -154,11 +184,10 @@ class OffloadEngine(DecodeObserver):
     def _upload_maps(self, layer: int, plan: LayerPlan) -> Tensor:
         """expert -> slot for hits, for experts copied into the cache now, and for each round of
         staged experts: rows HIT, COPIED, STAGED + round, sent in one copy from pinned memory."""
-        host = self._maps_host[layer]  # [rows, E] pinned
         stage = self.planner.stage_capacity
         rounds = -(-len(plan.stage_experts) // stage) if stage else 0
         used = STAGED + rounds
-        maps = host.numpy()[:used]
+        maps = self._maps_np[layer, :used]  # [used, E] view of the pinned buffer
         maps.fill(-1)
         maps[HIT] = plan.slot_of
         if len(plan.copy_experts):
@@ -168,33 +197,39 @@ class OffloadEngine(DecodeObserver):
             rows = STAGED + np.arange(len(plan.stage_experts)) // stage
             maps[rows, plan.stage_experts] = plan.stage_slots
         dev = self._maps_dev[layer]
-        dev[:used].copy_(host[:used], non_blocking=True)
+        if self.cuda:
+            host, dev_rows = self._maps_host_rows[layer], self._maps_dev_rows[layer]
+            transfer(dev_rows[used - 1], host[used - 1], self._compute)
+        else:
+            dev[:used].copy_(self._maps_host[layer, :used])
         return dev
 
     def _gpu_pairs(self, r: MoERequest, maps, plan, ready, into: Tensor | None) -> Tensor:
         """Hits at once; experts copied now after their copy event; staged ones in rounds.
-        With a static `into`, the two slot-table passes replay as CUDA graphs."""
+        With a static `into`, every slot-table pass replays as a CUDA graph."""
         static = into is not None and self.graphs is not None
-        pairs = self._pass(r, HIT, maps, into, static)
+        tables = (self.w13[r.layer], self.w2[r.layer])
+        pairs = self._pass(r, HIT, maps, tables, into, static)
         if len(plan.copy_experts):
             if ready is not None:  # wait for this layer's copies only now, after the hits
-                stream = torch.cuda.current_stream(self.device)
-                start = _event(stream)
+                stream = self._compute
+                start = self._timing.record(stream)
                 stream.wait_event(ready)
-                self._events.append((r.layer, start, _event(stream)))
-            self._pass(r, COPIED, maps, pairs, static)
+                self._events.append((r.layer, start, self._timing.record(stream)))
+            self._pass(r, COPIED, maps, tables, pairs, static)
         if len(plan.stage_experts):
-            pairs.add_(self._staged_pairs(r.layer, r.x, r.ids, r.weights, maps, plan))
+            self._staged(r, maps, plan, pairs, static)
         return pairs
 
-    def _pass(self, r: MoERequest, row: int, maps: Tensor, into: Tensor | None, static: bool):
-        """The pairs of the experts that maps[row] places in the layer's slot table: a new
-        tensor when `into` is None, else written (row HIT) or added (COPIED) into `into`; a
-        CUDA graph replay when `static` (r and `into` are the layer's static buffers)."""
+    def _pass(self, r: MoERequest, row: int, maps: Tensor, tables: tuple[Tensor, Tensor],
+              into: Tensor | None, static: bool) -> Tensor:  # fmt: skip
+        """The pairs of the experts that maps[row] places in `tables` (w13, w2): a new tensor
+        when `into` is None, else written (row HIT) or added (later rows) into `into`; a CUDA
+        graph replay when `static` (r and `into` are the layer's static buffers)."""
 
         def compute() -> Tensor:
             slots = maps[row][r.ids]  # [T, K]
-            pairs = expert_pairs(r.x, slots, r.weights, self.w13[r.layer], self.w2[r.layer])
+            pairs = expert_pairs(r.x, slots, r.weights, *tables)  # [T, K, H] fp32
             if into is None:
                 return pairs
             return into.copy_(pairs) if row == HIT else into.add_(pairs)
@@ -204,27 +239,29 @@ class OffloadEngine(DecodeObserver):
         self.graphs.run((r.layer, r.x.shape[0], row), compute)
         return into
 
-    def _staged_pairs(self, layer, x, ids, weights, maps, plan: LayerPlan) -> Tensor:
-        """Experts that found no cache slot, through the stage in rounds of its capacity."""
+    def _staged(self, r: MoERequest, maps: Tensor, plan: LayerPlan, pairs: Tensor, static: bool):
+        """Experts that found no cache slot, through the stage in rounds of its capacity: each
+        round's copies wait until the stage's earlier users are done, its pass for the copies.
+        Every other pair of a pass is zero, so adding the rounds is exact."""
         size = self.stage_w13.shape[0]
-        compute = torch.cuda.current_stream(self.device) if self.cuda else None
-        pairs = None
-        for r, lo in enumerate(range(0, len(plan.stage_experts), size)):
+        compute = self._compute
+        tables = (self.stage_w13, self.stage_w2)
+        for n, lo in enumerate(range(0, len(plan.stage_experts), size)):
             experts, slots = plan.stage_experts[lo : lo + size], plan.stage_slots[lo : lo + size]
-            begin = _event(self.copy_stream)
             if self.copy_stream is not None and self._stage_free is not None:
-                self.copy_stream.wait_event(self._stage_free)  # earlier users of the stage done
-            self._launch_copies(layer, experts, slots, self._stage_rows)
-            copied = _event(self.copy_stream)
+                self.copy_stream.wait_event(self._stage_free)
+            begin = self._timing.record(self.copy_stream)  # after the wait: copy time only
+            self._launch_copies(r.layer, experts, slots, self._stage_rows)
             if compute is not None:
-                stall = _event(compute)
+                copied = self._timing.record(self.copy_stream)
+                stall = self._timing.record(compute)
                 compute.wait_event(copied)
-                self._events += [(layer, begin, copied, "copy"), (layer, stall, _event(compute))]
-            mapped = maps[STAGED + r][ids]  # [T, K]
-            part = expert_pairs(x, mapped, weights, self.stage_w13, self.stage_w2)
-            pairs = part if pairs is None else pairs + part
-            self._stage_free = _event(compute)
-        return pairs
+                self._events += [
+                    (r.layer, begin, copied, "copy"),
+                    (r.layer, stall, self._timing.record(compute)),
+                ]
+            self._pass(r, STAGED + n, maps, tables, pairs, static)
+            self._stage_free = self._timing.record(compute)
 
     def _copy(self, layer: int, plan: LayerPlan) -> torch.cuda.Event | None:
         """Launch the copies into cache slots on the copy stream; the event they complete
@@ -234,31 +271,22 @@ class OffloadEngine(DecodeObserver):
         now = 1000 * time.perf_counter()
         n_moved = n_copy + len(plan.stage_experts)
         if n_moved:
-            self._copy_busy = max(now, self._copy_busy) + float(cost.copy_ms(n_moved))
+            busy = cost.copy_fixed_ms + cost.copy_ms_per_expert * n_moved  # cost.copy_ms, cheaper
+            self._copy_busy = max(now, self._copy_busy) + busy
         if not n_copy:
             return None
-        begin = _event(self.copy_stream)
+        begin = self._timing.record(self.copy_stream)
         self._launch_copies(layer, plan.copy_experts, plan.copy_slots, self._cache_rows[layer])
-        done = _event(self.copy_stream)
+        done = self._timing.record(self.copy_stream)
         if begin is not None:
             self._events.append((layer, begin, done, "copy"))
         return done
 
-    def _launch_copies(self, layer, experts, slots, rows: tuple) -> None:
-        """One copy per tensor of each expert, host (pinned) -> slot rows (`rows`: the row
-        views of a w13 table and of its w2 table), on the copy stream."""
+    def _launch_copies(self, layer: int, experts, slots, rows: Rows) -> None:
+        """One copy per tensor of each expert, host (pinned) -> slot rows of `rows` (a w13
+        table and its w2 table), on the copy stream (oled.offload.copies)."""
         with stage("copies"):
-            self._launch(layer, experts.tolist(), slots.tolist(), rows)
-
-    def _launch(self, layer: int, experts: list[int], slots: list[int], rows: tuple) -> None:
-        (src13, src2), (dst13, dst2) = self._src_rows[layer], rows
-        dst = [dst13[s] for s in slots] + [dst2[s] for s in slots]
-        src = [src13[e] for e in experts] + [src2[e] for e in experts]
-        if self.copy_stream is None:
-            torch._foreach_copy_(dst, src)
-            return
-        with torch.cuda.stream(self.copy_stream):
-            torch._foreach_copy_(dst, src, non_blocking=True)
+            launch(self._src_rows[layer], rows, experts.tolist(), slots.tolist(), self.copy_stream)
 
     def _start_cpu(self, layer, x, ids_np, weights_host, plan) -> Future | None:
         """Submit this layer's CPU experts to the worker. Their activations go to pinned host
@@ -273,7 +301,7 @@ class OffloadEngine(DecodeObserver):
             x_host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             x_host.copy_(x, non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record(torch.cuda.current_stream(self.device))
+            copied.record(self._compute)
         cost = self.planner.cost
         now = 1000 * time.perf_counter()
         work = float(np.sum(cost.cpu_ms(plan.cpu_tokens)))
@@ -281,19 +309,25 @@ class OffloadEngine(DecodeObserver):
         return self.pool.submit(self._cpu_pairs, layer, x_host, slots, weights_host, copied)
 
     def _cpu_pairs(self, layer: int, x: Tensor, slots: Tensor, weights: Tensor, copied):
-        """On the worker thread: ([T, K, H] fp32 pairs of the CPU experts, in pinned memory
-        when serving a GPU so that they go back without a sync; milliseconds)."""
+        """On the worker thread: the CPU experts' pairs as (index [N] into the T*K pairs,
+        weighted outputs [N, H] fp32), in pinned memory when serving a GPU so that they go
+        back without a sync; milliseconds."""
+        t0 = time.perf_counter()  # the job's time includes waiting for its activations
         if copied is not None:
-            copied.synchronize()  # the activations have arrived
-        t0 = time.perf_counter()
+            copied.synchronize()
         with torch.inference_mode():
-            out = expert_pairs(x, slots, weights, self.store.w13[layer], self.store.w2[layer])
+            index, rows = expert_rows(
+                x, slots, weights, self.store.w13[layer], self.store.w2[layer]
+            )
             if self.cuda:
-                out = out.pin_memory()
-        return out, 1000 * (time.perf_counter() - t0)
+                index, rows = index.pin_memory(), rows.pin_memory()
+        return index, rows, 1000 * (time.perf_counter() - t0)
 
-    def _account(self, layer: int, plan: LayerPlan, sync_s: float, host_s: float) -> None:
-        """Count the layer's plan; sync_s: routing to host, host_s: decisions and launches."""
+    def _account(
+        self, layer: int, plan: LayerPlan, sync_s: float, plan_s: float, host_s: float
+    ) -> None:
+        """Count the layer's plan; sync_s: routing to host, host_s: decisions and launches,
+        plan_s: the planner's part of host_s."""
         n_copy = len(plan.copy_experts) + len(plan.stage_experts)
         self.metrics.add(
             layer,
@@ -306,6 +340,7 @@ class OffloadEngine(DecodeObserver):
             cpu_tokens=int(plan.cpu_tokens.sum()),
             gpu_experts=len(plan.gpu_experts) + len(plan.stage_experts),
             sync_ms=1000 * sync_s,
+            plan_ms=1000 * plan_s,
             host_ms=1000 * host_s,
         )
         self.metrics.layer_calls += 1
@@ -344,7 +379,7 @@ class OffloadEngine(DecodeObserver):
                 keep = torch.from_numpy(r.keep.astype(np.int64)).to(self.device)
                 new[keep[:, 1]] = old[keep[:, 0]]
             tables[r.layer] = new
-        self._cache_rows[r.layer] = _rows(self.w13[r.layer], self.w2[r.layer])
+        self._cache_rows[r.layer] = Rows.of(self.w13[r.layer], self.w2[r.layer])
 
     def _collect_events(self) -> None:
         if not self._events:
@@ -355,22 +390,34 @@ class OffloadEngine(DecodeObserver):
             ms = start.elapsed_time(end)
             self.metrics.add(layer, **({"copy_ms": ms} if kind else {"stall_ms": ms}))
         self._events.clear()
+        self._stage_free = None  # both streams are idle: the stage is free
+        self._timing.recycle()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
 
-def _rows(w13: Tensor, w2: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """One view per expert (or slot) of a w13 table [S, 2I, H] and its w2 table [S, H, I]."""
-    return w13.unbind(0), w2.unbind(0)
+class _EventPool:
+    """Timing events, reused once an iteration's have been read (creating one per record
+    costs the hot path)."""
 
+    def __init__(self) -> None:
+        self._free: list[torch.cuda.Event] = []
+        self._used: list[torch.cuda.Event] = []
 
-def _event(stream) -> torch.cuda.Event | None:
-    if stream is None:
-        return None
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(stream)
-    return event
+    def record(self, stream) -> torch.cuda.Event | None:
+        """An event recorded on `stream` (None without a stream)."""
+        if stream is None:
+            return None
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        self._used.append(event)
+        return event
+
+    def recycle(self) -> None:
+        """Make every recorded event reusable (only after both streams are synchronised)."""
+        self._free += self._used
+        self._used.clear()
 
 
 def step_context(info: IterationInfo) -> StepContext:

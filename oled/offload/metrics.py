@@ -6,7 +6,7 @@ import numpy as np
 
 FIELDS = (
     "hits", "misses", "copies", "copy_bytes", "staged", "cpu_experts", "cpu_tokens",
-    "gpu_experts", "stall_ms", "copy_ms", "cpu_ms", "sync_ms", "host_ms",
+    "gpu_experts", "stall_ms", "copy_ms", "cpu_ms", "sync_ms", "plan_ms", "host_ms",
 )  # fmt: skip
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
@@ -19,7 +19,7 @@ class EngineMetrics:
     copy_ms the copy stream's busy time; cpu_ms the CPU workers' expert time; sync_ms the wait
     for the routing to reach the host (the layer's one sync, which also waits for the GPU work
     queued before it); host_ms the host decision path after it (planning, launching copies,
-    compute and CPU experts).
+    compute and CPU experts), plan_ms the planner's part of it (the policies' decisions).
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -27,36 +27,45 @@ class EngineMetrics:
         self.reset()
 
     def reset(self) -> None:
-        self.layer = np.zeros((self.num_layers, len(FIELDS)), np.float64)  # [L, F]
-        self.iterations: list[np.ndarray] = []  # each [F]: sums over layers
-        self._current = np.zeros(len(FIELDS), np.float64)
+        # plain float lists: `add` runs on the host path of every layer call
+        self._layers = [[0.0] * len(FIELDS) for _ in range(self.num_layers)]  # [L][F]
+        self.iterations: list[list[float]] = []  # each [F]: sums over layers
+        self._current = [0.0] * len(FIELDS)
         self.layer_calls = 0
 
+    @property
+    def layer(self) -> np.ndarray:
+        """[L, F] totals per layer."""
+        return np.array(self._layers, np.float64)
+
     def add(self, layer: int, **values: float) -> None:
+        row, current = self._layers[layer], self._current
         for name, value in values.items():
             i = _INDEX[name]
-            self.layer[layer, i] += value
-            self._current[i] += value
+            row[i] += value
+            current[i] += value
 
     def end_iteration(self) -> None:
         self.iterations.append(self._current)
-        self._current = np.zeros(len(FIELDS), np.float64)
+        self._current = [0.0] * len(FIELDS)
 
     def total(self, name: str) -> float:
         return float(self.layer[:, FIELDS.index(name)].sum())
 
     def summary(self) -> dict:
         """Run totals and per-layer figures (JSON-friendly)."""
-        out: dict = {name: self.total(name) for name in FIELDS}
+        layer = self.layer  # [L, F]
+        out: dict = {name: float(layer[:, i].sum()) for i, name in enumerate(FIELDS)}
         requests = out["hits"] + out["misses"]
         out["hit_rate"] = out["hits"] / requests if requests else 1.0
         experts = out["gpu_experts"] + out["cpu_experts"]
         out["cpu_share"] = out["cpu_experts"] / experts if experts else 0.0
         out["host_us_per_layer"] = 1000 * out["host_ms"] / max(1, self.layer_calls)
         out["sync_us_per_layer"] = 1000 * out["sync_ms"] / max(1, self.layer_calls)
+        out["plan_us_per_layer"] = 1000 * out["plan_ms"] / max(1, self.layer_calls)
         out["per_layer"] = [
-            {name: float(self.layer[m, i]) for i, name in enumerate(FIELDS)}
-            | {"hit_rate": _rate(self.layer[m])}
+            {name: float(layer[m, i]) for i, name in enumerate(FIELDS)}
+            | {"hit_rate": _rate(layer[m])}
             for m in range(self.num_layers)
         ]
         out["per_iteration"] = [

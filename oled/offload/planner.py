@@ -248,6 +248,12 @@ class Planner:
         if ctx.step + 1 > self.step:
             self.step, self.block = ctx.step + 1, ctx.block
 
+    def observe_cpu(self, layer: int, cpu_tokens: np.ndarray, measured_ms: float) -> None:
+        """The engine's time for a layer's CPU experts (tokens per expert) to the compensation
+        policy, beside the cost model's."""
+        modeled = float(np.sum(self.cost.cpu_ms(cpu_tokens)))
+        self.compensation.observe_cpu(layer=layer, modeled_ms=modeled, measured_ms=measured_ms)
+
     def plan(
         self, layer: int, ids: np.ndarray, weights: np.ndarray, load: Load | None = None
     ) -> LayerPlan:

@@ -253,6 +253,11 @@ class CompensationPolicy(ABC):
         """Start from an empty state (called by the planner at construction)."""
         return None
 
+    def observe_cpu(self, *, layer: int, modeled_ms: float, measured_ms: float) -> None:
+        """The engine ran a layer's CPU experts in `measured_ms`; the cost model said
+        `modeled_ms` (optional: a policy may correct its CPU costs from this)."""
+        return None
+
     def refresh(
         self, *, layer: int, step: int, block: int, capacity: int, tokens: np.ndarray
     ) -> np.ndarray | None:

@@ -52,17 +52,41 @@ class CooperativeCompensation(CompensationPolicy):
     Misses are ranked by what copying saves (their CPU time + future_weight x reuse x the copy
     cost of missing them again); the first k are copied, k minimising max(copy queue + copies,
     CPU queue + CPU work) + future_weight x reuse x copy cost of every miss left on the CPU.
-    CPU work is counted `cpu_slowdown` times its cost-model time: CPU experts and copies that run
+    CPU work is counted `slowdown` times its cost-model time: CPU experts and copies that run
     at once slow each other (host memory bandwidth, the interpreter lock; measured 6.2 ms of CPU
-    experts alone against 13.4 ms beside copies, DESIGN.md section 5).
+    experts alone against 13.4 ms beside copies, DESIGN.md section 5). `slowdown` starts at
+    `cpu_slowdown` and follows the engine's measured CPU-expert time over the cost model's
+    (an average moving by `learn_rate` per measured layer; 0 keeps it fixed).
     """
 
     def __init__(
-        self, *, future_weight: float = 1.0, horizon: int = 1, cpu_slowdown: float = 2.2
+        self,
+        *,
+        future_weight: float = 1.0,
+        horizon: int = 1,
+        cpu_slowdown: float = 2.2,
+        learn_rate: float = 0.2,
     ) -> None:
+        if cpu_slowdown <= 0 or not 0 <= learn_rate <= 1:
+            raise ValueError(
+                f"cpu_slowdown must be > 0 and learn_rate in [0, 1], got {cpu_slowdown}, "
+                f"{learn_rate}"
+            )
         self.future_weight = future_weight
         self.horizon = horizon  # future iterations whose misses count (expected cost x horizon)
         self.cpu_slowdown = cpu_slowdown
+        self.learn_rate = learn_rate
+        self.slowdown = cpu_slowdown
+
+    def reset(self, *, num_layers: int, num_experts: int) -> None:
+        """Forget what was learned: `slowdown` back to `cpu_slowdown`."""
+        self.slowdown = self.cpu_slowdown
+
+    def observe_cpu(self, *, layer: int, modeled_ms: float, measured_ms: float) -> None:
+        """Move `slowdown` towards measured / modeled (clipped to [0.25, 50])."""
+        if modeled_ms > 0 and self.learn_rate:
+            ratio = min(max(measured_ms / modeled_ms, 0.25), 50.0)
+            self.slowdown += self.learn_rate * (ratio - self.slowdown)
 
     def decide(
         self,
@@ -75,7 +99,7 @@ class CooperativeCompensation(CompensationPolicy):
         cost: CostModel,
     ) -> np.ndarray:
         """Greedy prefix split over the ranked misses."""
-        cpu_cost = self.cpu_slowdown * (cost.cpu_fixed_ms + cost.cpu_ms_per_token * tokens)
+        cpu_cost = self.slowdown * (cost.cpu_fixed_ms + cost.cpu_ms_per_token * tokens)
         miss_again = np.minimum(cpu_cost, cost.copy_ms_per_expert)
         future = (self.future_weight * self.horizon) * reuse * miss_again
         order = (-(cpu_cost + future)).argsort(kind="stable")

@@ -39,6 +39,8 @@ def test_offload_columns_and_ratios():
     rows = bench.with_ratios([row("resident", [10.0, 12.0], 1.0), row("half", [20.0, 24.0], 0.5)])
     assert rows[1]["ms_ratio_to_first"] == 2.0
     assert rows[1]["offload"] == {"hit_rate": 0.5, "copies_per_iteration": 2.0}
+    copied = bench.summarise("c", [stats([5.0])], [{"copy_bytes": 6e9, "copy_ms": 120.0}])
+    assert copied["offload"]["copy_gb_per_s"] == 50.0  # bytes over the copy stream's busy time
     from rich.console import Console
 
     console = Console(record=True, width=200)
@@ -63,6 +65,21 @@ def test_bench_with_an_expert_cache_shows_offload_columns(tiny_dir):
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "cache=8" in result.output and "hit rate" in result.output and "%" in result.output
+
+
+def test_bench_profile_shows_the_host_path(tiny_dir, tmp_path):
+    """--profile without a device timeline still times the engine's host stages."""
+    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
+            "--cache-size", "8", "--gen-length", "16", "--block-length", "8",
+            "--prompt-length", "20", "--runs", "1", "--warmup-runs", "0", "--profile",
+            "--report-dir", str(tmp_path)]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "host ms per iteration by stage" in result.output
+    row = json.loads(next(tmp_path.glob("bench-*.json")).read_text())["rows"][0]
+    host = row["host_ms_per_iteration"]
+    assert min(host["host decision"], host["copies"], host["grouped GEMM"]) > 0
+    assert row["offload"]["plan_us_per_layer"] > 0
 
 
 def test_bench_compares_recipes_side_by_side(tiny_dir, tmp_path):

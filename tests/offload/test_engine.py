@@ -112,6 +112,31 @@ def test_stats_count_every_request(tiny_dir):
         assert s["copies"] >= s["misses"] - s["cpu_experts"]
         assert s["copy_bytes"] == s["copies"] * rt.checkpoint.experts.expert_bytes
         assert 0 < s["hit_rate"] < 1
+        assert 0 < s["plan_ms"] <= s["host_ms"] and s["plan_us_per_layer"] > 0
+    finally:
+        rt.close()
+
+
+class _SeenCpu(C.CpuOnly):
+    """CPU-only compensation that keeps what the engine reports of its CPU experts."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float, float]] = []
+
+    def observe_cpu(self, *, layer: int, modeled_ms: float, measured_ms: float) -> None:
+        self.seen.append((layer, modeled_ms, measured_ms))
+
+
+def test_engine_reports_cpu_expert_time_to_the_policy(tiny_dir):
+    comp = _SeenCpu()
+    rt = offloaded(tiny_dir, Budget("expert_fraction", 0.25), R.LRURetention(), comp)
+    try:
+        rt.generate(PROMPTS[0], max_new_tokens=32)
+        cpu_ms = rt.stats()["cpu_ms"]
+        assert comp.seen, "no CPU expert time reached the policy"
+        assert all(m > 0 and t > 0 for _, m, t in comp.seen)
+        assert sum(t for _, _, t in comp.seen) == pytest.approx(cpu_ms)
+        assert {layer for layer, _, _ in comp.seen} == {0, 1, 2}
     finally:
         rt.close()
 

@@ -170,6 +170,27 @@ def test_cooperative_copies_high_reuse_misses() -> None:
     assert comp.decide(**kw, reuse=np.ones(2)).sum() >= comp.decide(**kw, reuse=np.zeros(2)).sum()
 
 
+def test_cooperative_learns_measured_cpu_cost() -> None:
+    """CPU experts measured 10x slower than modelled: fewer misses go to the CPU after, and
+    reset forgets it; learn_rate 0 keeps the prior."""
+    kw = dict(layer=0, experts=np.arange(8), tokens=np.full(8, 2), reuse=np.zeros(8), cost=COST)
+    load = Load(copy_queue_ms=4.0)
+    comp = CooperativeCompensation()
+    before = int((~comp.decide(**kw, load=load)).sum())
+    for _ in range(30):
+        comp.observe_cpu(layer=0, modeled_ms=1.0, measured_ms=10.0)
+    assert comp.slowdown == pytest.approx(10.0, rel=1e-2)
+    after = int((~comp.decide(**kw, load=load)).sum())
+    assert before > after
+    comp.reset(num_layers=1, num_experts=8)
+    assert comp.slowdown == comp.cpu_slowdown
+    fixed = CooperativeCompensation(learn_rate=0.0)
+    fixed.observe_cpu(layer=0, modeled_ms=1.0, measured_ms=10.0)
+    assert fixed.slowdown == fixed.cpu_slowdown
+    with pytest.raises(ValueError, match="learn_rate"):
+        CooperativeCompensation(learn_rate=2.0)
+
+
 def test_makespan_balances_queues() -> None:
     out = MakespanCompensation().decide(
         layer=0, experts=np.arange(10), tokens=np.full(10, 4), reuse=np.zeros(10),

@@ -1,0 +1,35 @@
+"""Row copies between expert tables (the CPU path; tests/offload/test_gpu.py runs the CUDA one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oled.offload.copies import Rows, launch
+
+
+def test_rows_copy_into_the_named_slots():
+    src = (torch.randn(5, 4, 3), torch.randn(5, 3, 2))
+    dst = (torch.zeros(2, 4, 3), torch.zeros(2, 3, 2))
+    launch(Rows.of(*src), Rows.of(*dst), [4, 1], [1, 0], None)
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d, s[[1, 4]])
+
+
+def test_rows_need_contiguous_tables():
+    with pytest.raises(ValueError, match="contiguous"):
+        Rows.of(torch.zeros(4, 3, 2).transpose(1, 2), torch.zeros(4, 2, 2))
+
+
+def test_calibration_measures_the_engine_paths_and_caches(tmp_path):
+    from oled.model.experts import ExpertStore
+    from oled.offload.calibrate import calibrated_cost
+
+    store = ExpertStore.empty(layers=1, experts=8, hidden=64, inter=32, dtype=torch.float32,
+                              pin=False)  # fmt: skip
+    for w in (*store.w13, *store.w2):
+        w.normal_()
+    cost = calibrated_cost(store, torch.device("cpu"), tmp_path)
+    assert cost.copy_ms_per_expert > 0 and cost.cpu_fixed_ms > 0 and cost.gpu_fixed_ms >= 0
+    assert len(list(tmp_path.glob("cost-*.json"))) == 1
+    assert calibrated_cost(store, torch.device("cpu"), tmp_path) == cost  # from the cache
