@@ -147,9 +147,10 @@ class OffloadEngine(DecodeObserver):
         self._account(layer, plan, t1 - t0, t2 - t1, time.perf_counter() - t1)
         if cpu_job is not None:
             with stage("CPU experts"):
-                index, rows, cpu_ms = cpu_job.result()  # [N], [N, H] of the T*K pairs
+                index, rows, cpu_ms, done = cpu_job.result()  # [N], [N, H] of the T*K pairs
                 self.metrics.add(layer, cpu_ms=cpu_ms)
-                self.planner.observe_cpu(layer, plan.cpu_tokens, cpu_ms)
+                # the policy learns what the layer sees: from planned to the result's readiness
+                self.planner.observe_cpu(layer, plan.cpu_tokens, 1000 * (done - t2))
                 flat = pairs.view(-1, pairs.shape[-1])  # [T*K, H]; zero at the CPU's pairs
                 dev = self.device
                 flat.index_add_(
@@ -311,7 +312,7 @@ class OffloadEngine(DecodeObserver):
     def _cpu_pairs(self, layer: int, x: Tensor, slots: Tensor, weights: Tensor, copied):
         """On the worker thread: the CPU experts' pairs as (index [N] into the T*K pairs,
         weighted outputs [N, H] fp32), in pinned memory when serving a GPU so that they go
-        back without a sync; milliseconds."""
+        back without a sync; the job's milliseconds; the perf_counter time it finished."""
         t0 = time.perf_counter()  # the job's time includes waiting for its activations
         if copied is not None:
             copied.synchronize()
@@ -321,7 +322,8 @@ class OffloadEngine(DecodeObserver):
             )
             if self.cuda:
                 index, rows = index.pin_memory(), rows.pin_memory()
-        return index, rows, 1000 * (time.perf_counter() - t0)
+        done = time.perf_counter()
+        return index, rows, 1000 * (done - t0), done
 
     def _account(
         self, layer: int, plan: LayerPlan, sync_s: float, plan_s: float, host_s: float

@@ -254,8 +254,9 @@ class CompensationPolicy(ABC):
         return None
 
     def observe_cpu(self, *, layer: int, modeled_ms: float, measured_ms: float) -> None:
-        """The engine ran a layer's CPU experts in `measured_ms`; the cost model said
-        `modeled_ms` (optional: a policy may correct its CPU costs from this)."""
+        """A layer's CPU experts were ready `measured_ms` after the decision (the engine's
+        hand-over, waiting and compute); the cost model said `modeled_ms` (optional: a policy
+        may correct its CPU costs from this)."""
         return None
 
     def refresh(

@@ -135,7 +135,8 @@ def test_engine_reports_cpu_expert_time_to_the_policy(tiny_dir):
         cpu_ms = rt.stats()["cpu_ms"]
         assert comp.seen, "no CPU expert time reached the policy"
         assert all(m > 0 and t > 0 for _, m, t in comp.seen)
-        assert sum(t for _, _, t in comp.seen) == pytest.approx(cpu_ms)
+        # from the decision to the result: at least the worker's own time
+        assert sum(t for _, _, t in comp.seen) >= cpu_ms > 0
         assert {layer for layer, _, _ in comp.seen} == {0, 1, 2}
     finally:
         rt.close()

@@ -36,6 +36,26 @@ def test_graphed_resident_is_bit_exact_and_replays(tiny_dir, reference):
     assert rt.forward.graphs.captures == captures, "the same prompts captured new graphs"
 
 
+def test_a_failed_capture_runs_eagerly_once_then_captures(tiny_dir, reference, monkeypatch):
+    """A capture that fails (a Triton kernel's first launch does) costs one eager forward; the
+    key is captured on its next use, and the tokens stay the eager ones."""
+    from oled.model.graphs import Graphs
+
+    real, failures = Graphs.capture, []
+
+    def capture_failing_once(self, fn):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("capture refused (test)")
+        return real(self, fn)
+
+    monkeypatch.setattr(Graphs, "capture", capture_failing_once)
+    rt = load_runtime(str(tiny_dir), device="cuda", dtype="bfloat16")
+    assert tokens(rt) == reference
+    assert failures and rt.forward.retried and rt.forward.failed is None
+    assert rt.forward.replays > 0
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("frac", [0.125, 0.5])
 def test_gpu_only_policies_are_bit_exact(tiny_dir, reference, frac, graphs):
