@@ -73,6 +73,7 @@ def cuda_rows(report: Report, *, bandwidth: bool) -> None:
         report.add(f"GPU {i}", f"{prop.name}, {prop.total_memory / 2**30:.1f} GiB, "
                                f"compute {prop.major}.{prop.minor}")  # fmt: skip
     report.add("fused kernels", kernel_row())
+    report.add("expert copies", copies_row())
     if bandwidth:
         gbps = pinned_copy_bandwidth()
         report.add("host->GPU copy, pinned, 64 MiB", f"{gbps:.1f} GB/s")
@@ -85,6 +86,16 @@ def kernel_row() -> str:
     if kernels.triton_available():
         return "Triton (the default; --kernels torch for torch's own)"
     return "torch's own: triton is not installed, so --kernels auto falls back to them"
+
+
+def copies_row() -> str:
+    """How the offload engine launches its host -> GPU copies (oled.offload.copies)."""
+    from oled.offload import copies
+
+    path = copies.runtime_library()
+    if path:
+        return f"cudaMemcpyAsync through {path}"
+    return "torch's copy_ (no CUDA runtime library found in this process)"
 
 
 def driver_version() -> str:

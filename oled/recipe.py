@@ -13,7 +13,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import tomli
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -26,6 +25,11 @@ from pydantic import (
 )
 
 from oled import registry as reg
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from oled.registry import REQUIRED, ComponentImportError, UnknownComponentError, suggest
 
 BUILTIN = "builtin:"
@@ -289,8 +293,8 @@ def load_recipe(
     except OSError as exc:
         raise RecipeError(f"{path}: cannot read ({exc.strerror or exc})") from None
     try:
-        raw = tomli.loads(text)
-    except tomli.TOMLDecodeError as exc:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         line = getattr(exc, "lineno", None) or _line_of_error(str(exc))
         msg = getattr(exc, "msg", str(exc))
         raise RecipeError(f"{path}:{line}: invalid TOML: {msg}") from None
@@ -316,8 +320,8 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> set[str]:
 def parse_value(text: str) -> Any:
     """A TOML value if `text` is one, else the text itself."""
     try:
-        return tomli.loads(f"v = {text}")["v"]
-    except tomli.TOMLDecodeError:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
         return text
 
 

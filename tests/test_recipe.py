@@ -231,9 +231,9 @@ def test_key_lines_and_dump() -> None:
         ("a", "b.c", "y", "z"): 4,
     }
     data = {"a": {"x": 1, "s": 'q"\\', "l": [1.5, True], "b.c": {"y": {"z": 2}}}}
-    import tomli
+    from oled.recipe import tomllib
 
-    assert tomli.loads(dump_toml(data)) == data
+    assert tomllib.loads(dump_toml(data)) == data
     assert parse_size("24GiB") == 24 * 2**30 and parse_size("500 MB") == 500 * 10**6
 
 

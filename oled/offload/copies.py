@@ -2,10 +2,10 @@
 tensors between the device and pinned host memory (the routing, the slot maps).
 
 A table pair is an expert's (or a slot's) w13 [S, 2I, H] and w2 [S, H, I] tables. On CUDA each
-row copy goes to the CUDA runtime's cudaMemcpyAsync directly (about 2 µs of host time each);
-through torch's copy_ one costs about 10 µs (operator dispatch, a pinned-memory check and an
-event for the host allocator), which the host path of a layer with many misses pays dozens of
-times. Where the runtime library cannot be found, or off CUDA, torch's `_foreach_copy_` does it.
+row copy goes to the CUDA runtime's cudaMemcpyAsync directly (about 4 µs of host time each on
+an H200 machine); through torch's copy_ one costs 6.5-9 µs there (operator dispatch, a
+pinned-memory check and an event for the host allocator), which the host path of a layer with
+many misses pays dozens of times (docs/performance.md, run 8). Where the runtime library cannot be found, or off CUDA, torch's `_foreach_copy_` does it.
 The sources are pinned expert tables that live as long as the engine, so no allocator event is
 needed to keep them alive.
 """
@@ -52,7 +52,7 @@ def launch(
     src: Rows, dst: Rows, rows: list[int], into: list[int], stream: torch.cuda.Stream | None
 ) -> None:
     """Copy src rows `rows` into dst rows `into` (both tables), on `stream` (None: at once)."""
-    memcpy = runtime_memcpy() if stream is not None else None
+    memcpy = _runtime_for(stream)
     if memcpy is None:
         _torch_copies(src, dst, rows, into, stream)
         return
@@ -67,7 +67,7 @@ def launch(
 def transfer(dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
     """dst <- src, both contiguous, one on the device and one pinned on the host (or both on
     the device), on `stream`."""
-    memcpy = runtime_memcpy()
+    memcpy = _runtime_for(stream)
     if memcpy is None:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
@@ -76,6 +76,13 @@ def transfer(dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
     kind = _DEVICE_TO_HOST if src.is_cuda and not dst.is_cuda else kind
     handle = ctypes.c_void_p(stream.cuda_stream)
     _check(memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes, kind, handle))
+
+
+def _runtime_for(stream: torch.cuda.Stream | None):
+    """The runtime's cudaMemcpyAsync for a stream of the current device, else None."""
+    if stream is None or stream.device_index != torch.cuda.current_device():
+        return None
+    return runtime_memcpy()
 
 
 def _check(err: int) -> None:
@@ -97,10 +104,10 @@ def _torch_copies(src: Rows, dst: Rows, rows, into, stream) -> None:
 @cache
 def runtime_memcpy():
     """cudaMemcpyAsync of the CUDA runtime this torch loaded (ctypes), or None."""
-    lib = _runtime_library()
-    if lib is None:
+    found = _runtime_library()
+    if found is None:
         return None
-    fn = lib.cudaMemcpyAsync
+    fn = found[0].cudaMemcpyAsync
     fn.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
     ]  # fmt: skip
@@ -108,9 +115,15 @@ def runtime_memcpy():
     return fn
 
 
+def runtime_library() -> str | None:
+    """Path of the CUDA runtime library the copies call, or None (torch's copies then)."""
+    found = _runtime_library()
+    return None if found is None else found[1]
+
+
 @cache
-def _runtime_library() -> ctypes.CDLL | None:
-    """The libcudart mapped into this process (torch loads it with CUDA), else None."""
+def _runtime_library() -> tuple[ctypes.CDLL, str] | None:
+    """The libcudart mapped into this process (torch loads it with CUDA) and its path."""
     if not torch.cuda.is_available():
         return None
     torch.cuda.init()
@@ -123,15 +136,16 @@ def _runtime_library() -> ctypes.CDLL | None:
         try:
             lib = ctypes.CDLL(path)
             lib.cudaMemcpyAsync  # noqa: B018 - the symbol must exist
-            return lib
+            return lib, path
         except (OSError, AttributeError):
             continue
     return None
 
 
 def _error_string(err: int) -> str:
-    lib = _runtime_library()
-    if lib is None:
+    found = _runtime_library()
+    if found is None:
         return f"error {err}"
+    lib = found[0]
     lib.cudaGetErrorString.restype = ctypes.c_char_p
     return f"{lib.cudaGetErrorString(err).decode()} ({err})"

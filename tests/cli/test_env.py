@@ -49,3 +49,13 @@ def test_kernel_row_names_what_cuda_runs(monkeypatch):
     assert env.kernel_row().startswith("Triton")
     monkeypatch.setattr(kernels, "triton_available", lambda: False)
     assert "falls back" in env.kernel_row()
+
+
+def test_copies_row_names_the_copy_path(monkeypatch):
+    from oled import env
+    from oled.offload import copies
+
+    monkeypatch.setattr(copies, "runtime_library", lambda: "/x/libcudart.so.13")
+    assert env.copies_row() == "cudaMemcpyAsync through /x/libcudart.so.13"
+    monkeypatch.setattr(copies, "runtime_library", lambda: None)
+    assert env.copies_row().startswith("torch's copy_")
