@@ -65,13 +65,11 @@ def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3)
     metrics), not device time."""
     from oled.model.graphs import EagerForward
 
-    window = _ProfileWindow(first=1, count=iterations)
     graphed, rt.forward = rt.forward, EagerForward(rt.model)
     try:
-        _, off, _ = run_once(rt, prompt, decode, [window])
+        window, off = _profiled(rt, prompt, decode, iterations, device=True)
     finally:
         rt.forward = graphed
-        window.stop()
     totals = _stage_device_us(window.profiler.events())
     out = {name: us / 1000 / window.seen for name, us in totals.items()}
     if off is not None and off.get("cpu_ms"):
@@ -84,16 +82,23 @@ def host_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3):
     `host decision`) and of each CUDA API call (cudaGraphLaunch, cudaMemcpyAsync, ...), from a
     few iterations of one more generation run as the runtime runs it (graphs kept) under a
     CPU-only profiler: where the host path spends its time."""
-    window = _ProfileWindow(first=1, count=iterations, device=False)
-    try:
-        run_once(rt, prompt, decode, [window])
-    finally:
-        window.stop()
+    window, _ = _profiled(rt, prompt, decode, iterations, device=False)
     totals: dict[str, float] = {}
     for e in window.profiler.events():
         if e.name in STAGES or _is_api_call(e.name):
             totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us()
     return {name: us / 1000 / max(1, window.seen) for name, us in totals.items()}
+
+
+def _profiled(rt: Runtime, prompt: list[int], decode, iterations: int, *, device: bool):
+    """One generation with iterations 1 .. `iterations` under the profiler: (the window, the
+    engine's figures)."""
+    window = _ProfileWindow(first=1, count=iterations, device=device)
+    try:
+        _, off, _ = run_once(rt, prompt, decode, [window])
+    finally:
+        window.stop()
+    return window, off
 
 
 class _ProfileWindow(DecodeObserver):

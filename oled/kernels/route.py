@@ -16,7 +16,6 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from oled.kernels import interpreting
-from oled.model.layers import router_logits
 
 
 @triton.jit
@@ -85,25 +84,6 @@ def _route_kernel(
     km = k < K
     tl.store(ids_ptr + row * K + k, ids.to(tl.int64), mask=km)
     tl.store(weights_ptr + row * K + k, weights, mask=km)
-
-
-def fused_route(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor,
-    *,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    scale: float,
-    normalise: bool,
-) -> tuple[Tensor, Tensor]:
-    """Same contract as oled.model.layers.route: x [T, H]; weight [E, H]; bias [E] -> (ids
-    [T, K] int64, weights [T, K] fp32); the reference's GEMM, then `select_experts`."""
-    return select_experts(
-        router_logits(x, weight), bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
-        scale=scale, normalise=normalise,
-    )  # fmt: skip
 
 
 def select_experts(

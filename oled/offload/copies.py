@@ -64,11 +64,14 @@ def launch(
             _check(memcpy(d_base + i * size, s_base + r * size, size, kind, handle))
 
 
-def transfer(dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
+def transfer(dst: Tensor, src: Tensor, stream: torch.cuda.Stream | None) -> None:
     """dst <- src, both contiguous, one on the device and one pinned on the host (or both on
-    the device), on `stream`."""
+    the device), on `stream`; without a stream (no CUDA) a plain copy."""
     memcpy = _runtime_for(stream)
     if memcpy is None:
+        if stream is None:
+            dst.copy_(src)
+            return
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         return

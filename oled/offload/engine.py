@@ -57,10 +57,7 @@ class OffloadEngine(DecodeObserver):
         if self.cuda:
             self._maps_host = self._maps_host.pin_memory()
         self._maps_dev = torch.full((layers, rows, self.num_experts), -1, device=device)
-        self._maps_np = self._maps_host.numpy()  # [L, rows, E]
-        # the first n rows of each layer's maps, host and device, for every n (made once)
-        self._maps_host_rows = [[m[: n + 1] for n in range(rows)] for m in self._maps_host]
-        self._maps_dev_rows = [[m[: n + 1] for n in range(rows)] for m in self._maps_dev]
+        self._maps_np = self._maps_host.numpy()  # [L, rows, E] view of the pinned buffer
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._stage_free: torch.cuda.Event | None = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu-experts")
@@ -140,7 +137,7 @@ class OffloadEngine(DecodeObserver):
             plan = self.planner.plan(layer, ids_np, w_np, self._load())
             t2 = time.perf_counter()
             ready = self._copy(layer, plan)  # first: the copies are the longest path
-            cpu_job = self._start_cpu(layer, r.x, ids_np, torch.from_numpy(w_np), plan)
+            cpu_job = self._start_cpu(layer, r.x, ids_np, w_np, plan)
             maps = self._upload_maps(layer, plan)  # [rows, E] on the device
         with stage("grouped GEMM"):
             pairs = self._gpu_pairs(r, maps, plan, ready, into)  # [T, K, H] fp32
@@ -198,11 +195,7 @@ class OffloadEngine(DecodeObserver):
             rows = STAGED + np.arange(len(plan.stage_experts)) // stage
             maps[rows, plan.stage_experts] = plan.stage_slots
         dev = self._maps_dev[layer]
-        if self.cuda:
-            host, dev_rows = self._maps_host_rows[layer], self._maps_dev_rows[layer]
-            transfer(dev_rows[used - 1], host[used - 1], self._compute)
-        else:
-            dev[:used].copy_(self._maps_host[layer, :used])
+        transfer(dev[:used], self._maps_host[layer, :used], self._compute)
         return dev
 
     def _gpu_pairs(self, r: MoERequest, maps, plan, ready, into: Tensor | None) -> Tensor:
@@ -289,7 +282,7 @@ class OffloadEngine(DecodeObserver):
         with stage("copies"):
             launch(self._src_rows[layer], rows, experts.tolist(), slots.tolist(), self.copy_stream)
 
-    def _start_cpu(self, layer, x, ids_np, weights_host, plan) -> Future | None:
+    def _start_cpu(self, layer, x, ids_np, w_np, plan) -> Future | None:
         """Submit this layer's CPU experts to the worker. Their activations go to pinned host
         memory without a sync: the worker waits for the copy's event, not the caller."""
         if not len(plan.cpu_experts):
@@ -307,7 +300,8 @@ class OffloadEngine(DecodeObserver):
         now = 1000 * time.perf_counter()
         work = float(np.sum(cost.cpu_ms(plan.cpu_tokens)))
         self._cpu_busy = max(now, self._cpu_busy) + work
-        return self.pool.submit(self._cpu_pairs, layer, x_host, slots, weights_host, copied)
+        weights = torch.from_numpy(w_np)  # [T, K] fp32
+        return self.pool.submit(self._cpu_pairs, layer, x_host, slots, weights, copied)
 
     def _cpu_pairs(self, layer: int, x: Tensor, slots: Tensor, weights: Tensor, copied):
         """On the worker thread: the CPU experts' pairs as (index [N] into the T*K pairs,

@@ -19,13 +19,18 @@ import oled.kernels as kernels  # noqa: E402
 import oled.kernels.norm as norm_module  # noqa: E402
 import oled.kernels.route as route_module  # noqa: E402
 from oled.kernels.norm import qk_norm_rotary, rms_norm  # noqa: E402
-from oled.kernels.route import fused_route  # noqa: E402
+from oled.kernels.route import select_experts  # noqa: E402
 from oled.model.config import mini_config  # noqa: E402
-from oled.model.layers import Attention, RMSNorm, Rotary, route  # noqa: E402
+from oled.model.layers import Attention, RMSNorm, Rotary, route, router_logits  # noqa: E402
 from oled.model.presets import tiny_config  # noqa: E402
 
 CUDA = torch.device("cuda")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # small-shape tests
+
+
+def fused_route(x, weight, bias, **routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused path of `route`: the reference's fp32 GEMM, then the routing kernel."""
+    return select_experts(router_logits(x, weight), bias, **routing)
 
 
 def _refuse(*args, **kwargs):

@@ -33,3 +33,11 @@ def test_calibration_measures_the_engine_paths_and_caches(tmp_path):
     assert cost.copy_ms_per_expert > 0 and cost.cpu_fixed_ms > 0 and cost.gpu_fixed_ms >= 0
     assert len(list(tmp_path.glob("cost-*.json"))) == 1
     assert calibrated_cost(store, torch.device("cpu"), tmp_path) == cost  # from the cache
+
+
+def test_transfer_without_a_stream_copies_at_once():
+    from oled.offload.copies import transfer
+
+    src, dst = torch.arange(6.0).view(2, 3), torch.zeros(2, 3)
+    transfer(dst, src, None)
+    assert torch.equal(dst, src)
