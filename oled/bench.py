@@ -23,7 +23,9 @@ import torch
 
 from oled import kernels
 from oled.decoding import DecodeObserver
+from oled.decoding.follow import Trajectory
 from oled.model.stages import STAGES, annotate
+from oled.offload.metrics import FIELDS, with_rates
 from oled.runtime import Runtime
 
 
@@ -57,32 +59,33 @@ def random_prompt(rt: Runtime, length: int, seed: int) -> list[int]:
     return ids
 
 
-def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3):
+def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, follow=None):
     """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
     iterations (after the prompt's) of one extra eager generation under the profiler: every
     kernel and copy counts for the innermost stage that launched it. The graphs replay the same
-    kernels, so these are their times too. CPU experts count the worker's milliseconds (engine
+    kernels, so these are their times too. CPU experts count the host's milliseconds (engine
     metrics), not device time."""
     from oled.model.graphs import EagerForward
 
     graphed, rt.forward = rt.forward, EagerForward(rt.model)
     try:
-        window, off = _profiled(rt, prompt, decode, iterations, device=True)
+        window, off = _profiled(rt, prompt, decode, iterations, follow, device=True)
     finally:
         rt.forward = graphed
     totals = _stage_device_us(window.profiler.events())
     out = {name: us / 1000 / window.seen for name, us in totals.items()}
-    if off is not None and off.get("cpu_ms"):
-        out["CPU experts"] = off["cpu_ms"] / max(1, rt.last_stats.iterations)
+    decode = off["decode"] if off is not None else {}
+    if decode.get("cpu_ms"):
+        out["CPU experts"] = decode["cpu_ms"] / max(1, decode["iterations"])
     return out
 
 
-def host_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3):
+def host_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, follow=None):
     """Host milliseconds per iteration of each stage range (inclusive: `copies` lies inside
     `host decision`) and of each CUDA API call (cudaGraphLaunch, cudaMemcpyAsync, ...), from a
     few iterations of one more generation run as the runtime runs it (graphs kept) under a
     CPU-only profiler: where the host path spends its time."""
-    window, _ = _profiled(rt, prompt, decode, iterations, device=False)
+    window, _ = _profiled(rt, prompt, decode, iterations, follow, device=False)
     totals: dict[str, float] = {}
     for e in window.profiler.events():
         if e.name in STAGES or _is_api_call(e.name):
@@ -90,12 +93,12 @@ def host_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3):
     return {name: us / 1000 / max(1, window.seen) for name, us in totals.items()}
 
 
-def _profiled(rt: Runtime, prompt: list[int], decode, iterations: int, *, device: bool):
-    """One generation with iterations 1 .. `iterations` under the profiler: (the window, the
-    engine's figures)."""
+def _profiled(rt: Runtime, prompt: list[int], decode, iterations: int, follow, *, device: bool):
+    """One generation (following `follow` if given) with iterations 1 .. `iterations` under the
+    profiler: (the window, the engine's figures)."""
     window = _ProfileWindow(first=1, count=iterations, device=device)
     try:
-        _, off, _ = run_once(rt, prompt, decode, [window])
+        _, off, _ = run_once(rt, prompt, decode, [window], follow)
     finally:
         window.stop()
     return window, off
@@ -181,11 +184,12 @@ def _stage_of(event) -> str:
 
 
 def run_once(
-    rt: Runtime, prompt: list[int], decode, observers=()
+    rt: Runtime, prompt: list[int], decode, observers=(), follow: Trajectory | None = None
 ) -> tuple[Any, dict | None, list[int]]:
-    """One generation: its decoding statistics, the offload engine's figures, its tokens."""
+    """One generation (committing what `follow` committed, if given): its decoding statistics,
+    the offload engine's figures, its tokens."""
     tokens: list[int] = []
-    for block in rt.stream(prompt, decode=decode, observers=observers):
+    for block in rt.stream(prompt, decode=decode, observers=observers, follow=follow):
         tokens += block.new_tokens
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
@@ -198,31 +202,45 @@ def bench_decode(rt: Runtime, cfg: BenchConfig):
                    max_new_tokens=cfg.gen_length, use_cache=True)  # fmt: skip
 
 
-def bench_runtime(rt: Runtime, cfg: BenchConfig, label: str) -> dict[str, Any]:
-    """One configuration: warm-up, timed runs, one row of figures."""
+def bench_runtime(
+    rt: Runtime, cfg: BenchConfig, label: str, trajectory: Trajectory | None = None
+) -> dict[str, Any]:
+    """One configuration: warm-up, timed runs, one row of figures.
+
+    With a `trajectory` the rows do the same work: an empty one records this row's first timed
+    run; a recorded one is followed by every run of this row, whose `agreement` is the share of
+    the followed commits where its own choice was the same token.
+    """
     decode = bench_decode(rt, cfg)
     prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
+    follow = trajectory if trajectory is not None and trajectory.steps else None
+    record = [trajectory] if trajectory is not None and follow is None else []
     for _ in range(cfg.warmup_runs):
-        run_once(rt, prompt, decode)
+        run_once(rt, prompt, decode, follow=follow)
     runs, offload, outputs = [], [], []
-    for _ in range(cfg.runs):
-        stats, off, tokens = run_once(rt, prompt, decode)
+    for i in range(cfg.runs):
+        stats, off, tokens = run_once(rt, prompt, decode, record * (i == 0), follow)
         runs.append(stats)
         outputs.append(tokens)
         offload += [off] if off is not None else []
     row = summarise(label, runs, offload)
     if cfg.profile and rt.device.type == "cuda":
-        row["stages_ms_per_iteration"] = stage_breakdown(rt, prompt, decode)
+        row["stages_ms_per_iteration"] = stage_breakdown(rt, prompt, decode, follow=follow)
     if cfg.profile:
-        row["host_ms_per_iteration"] = host_breakdown(rt, prompt, decode)
+        row["host_ms_per_iteration"] = host_breakdown(rt, prompt, decode, follow=follow)
     row["output"] = hashlib.sha1(repr(outputs[0]).encode()).hexdigest()[:12]  # the tokens, short
+    if follow is not None:
+        row["agreement"] = sum(s.agreed for s in runs) / max(1, sum(s.followed for s in runs))
     row["kernels"] = kernels.describe(rt.device)
     row["graphs"] = bool(getattr(rt.forward, "graphed", False)) and rt.device.type == "cuda"
     return row
 
 
 def summarise(label: str, runs: Sequence[Any], offload: Sequence[dict] = ()) -> dict[str, Any]:
-    ms = [m for s in runs for m in s.iteration_ms]
+    """A row: iteration times over the decode iterations (a run's first forward runs the
+    prompt and is reported apart as `prompt_ms`), throughput over whole generations."""
+    ms = [m for s in runs for m in s.decode_ms] or [m for s in runs for m in s.iteration_ms]
+    prompt = [s.prompt_ms for s in runs if s.prompt_ms is not None]
     iterations = sum(s.iterations for s in runs)
     tokens = sum(s.new_tokens for s in runs)
     seconds = sum(s.seconds for s in runs)
@@ -230,6 +248,8 @@ def summarise(label: str, runs: Sequence[Any], offload: Sequence[dict] = ()) -> 
         "label": label,
         "ms_per_iteration_median": statistics.median(ms),
         "ms_per_iteration_p90": _p90(ms),
+        "ms_per_iteration_mean": statistics.fmean(ms),
+        "prompt_ms": statistics.median(prompt) if prompt else None,
         "tokens_per_second": tokens / seconds if seconds else 0.0,
         "tokens_per_forward": tokens / iterations if iterations else 0.0,
         "iterations": iterations,
@@ -237,7 +257,7 @@ def summarise(label: str, runs: Sequence[Any], offload: Sequence[dict] = ()) -> 
         "runs": len(runs),
     }
     if offload:
-        row["offload"] = _offload_summary(list(offload), iterations)
+        row["offload"] = _offload_summary(list(offload))
     return row
 
 
@@ -245,22 +265,25 @@ def _p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
 
 
-def _offload_summary(per_run: list[dict], iterations: int) -> dict[str, float]:
-    """Means of the engine's rates; its totals per iteration."""
-    out: dict[str, float] = {}
-    for key in (
+def _offload_summary(per_run: list[dict]) -> dict[str, float]:
+    """The engine's figures over the runs' decode iterations: rates, totals per iteration; and
+    the copies of the prompt forward."""
+    decode = with_rates(_sum(per_run, "decode"))
+    n = max(1, sum(o["decode"]["iterations"] for o in per_run))
+    out = {key: decode[key] for key in (
         "hit_rate", "cpu_share", "host_us_per_layer", "plan_us_per_layer", "sync_us_per_layer",
-    ):  # fmt: skip
-        values = [float(o[key]) for o in per_run if key in o]
-        if values:
-            out[key] = statistics.fmean(values)
+    )}  # fmt: skip
     for key in ("copies", "copy_bytes", "cpu_experts", "stall_ms", "copy_ms"):
-        values = [float(o[key]) for o in per_run if key in o]
-        if values and iterations:
-            out[f"{key}_per_iteration"] = sum(values) / iterations
-    if out.get("copy_ms_per_iteration"):  # bytes over the copy stream's busy time
+        out[f"{key}_per_iteration"] = decode[key] / n
+    if out["copy_ms_per_iteration"]:  # bytes over the copy stream's busy time
         out["copy_gb_per_s"] = out["copy_bytes_per_iteration"] / out["copy_ms_per_iteration"] / 1e6
+    out["prompt_copies"] = _sum(per_run, "prompt")["copies"] / len(per_run)
     return out
+
+
+def _sum(per_run: list[dict], part: str) -> dict[str, float]:
+    """One part ("prompt" or "decode") of the engine's summaries, summed over runs."""
+    return {name: sum(o[part][name] for o in per_run) for name in FIELDS}
 
 
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -295,7 +318,7 @@ def table(rows: list[dict[str, Any]]):
     used = sorted({row["kernels"] for row in rows if "kernels" in row})
     caption += f", kernels: {' / '.join(used)}" if used else ""
     out = Table(show_edge=False, header_style="bold", caption=caption)
-    cols = ["config", "ms/iter p50", "ms/iter p90", "tokens/s", "tokens/fwd"]
+    cols = ["config", "ms/iter p50", "ms/iter p90", "prompt ms", "tokens/s", "tokens/fwd"]
     ratios = len(rows) > 1
     offload = any("offload" in r for r in rows)
     cols += ["ms vs 1st", "same tokens"] * ratios
@@ -315,9 +338,12 @@ def table(rows: list[dict[str, Any]]):
         out.add_column(col, justify="left" if col == "config" else "right")
     for r in rows:
         cells = [r["label"], f"{r['ms_per_iteration_median']:.2f}",
-                 f"{r['ms_per_iteration_p90']:.2f}", f"{r['tokens_per_second']:.1f}",
+                 f"{r['ms_per_iteration_p90']:.2f}", _fmt(r.get("prompt_ms"), "{:.1f}"),
+                 f"{r['tokens_per_second']:.1f}",
                  f"{r['tokens_per_forward']:.2f}"]  # fmt: skip
         same = "yes" if r.get("output") == rows[0].get("output") else "no"
+        if r.get("agreement", 1.0) < 1.0:  # followed the first row; its own choices differed
+            same = f"own {r['agreement']:.1%}"
         cells += [f"{r['ms_ratio_to_first']:.2f}x", same] * ratios
         if offload:
             o = r.get("offload", {})
@@ -339,7 +365,7 @@ def stage_table(rows: list[dict[str, Any]]):
 
     seen = {k for r in rows for k in r.get("stages_ms_per_iteration", {})}
     names = [n for n in (*STAGES, "other") if n in seen]
-    title = "device ms per iteration by stage (kernels and copies; CPU experts: worker ms)"
+    title = "device ms per iteration by stage (kernels and copies; CPU experts: host ms)"
     out = Table(show_edge=False, header_style="bold", title=title)
     for col in ["config", *names, "sum"]:
         out.add_column(col, justify="left" if col == "config" else "right")

@@ -162,6 +162,13 @@ def bench(
         bool, typer.Option(help="Device time per forward stage, from the profiler (GPU only).")
     ] = False,
     report_dir: Annotated[Path | None, typer.Option(help="Write a JSON report here.")] = None,
+    follow: Annotated[
+        bool,
+        typer.Option(
+            help="Rows after the first commit the first row's tokens, so that all do the same "
+            "work (CPU experts agree with the GPU to a tolerance only)."
+        ),
+    ] = True,
 ) -> None:
     """Benchmark ms per iteration, tokens/s and offload figures; compare recipes side by side."""
     import gc
@@ -181,6 +188,7 @@ def bench(
     for _, spec in specs:
         check(spec)
     rows, used = [], "cpu"
+    trajectory = b.Trajectory() if follow else None
     for label, spec in specs:
         rt = build(spec)
         used = str(rt.device)
@@ -189,12 +197,12 @@ def bench(
                               "host time per stage only[/yellow]")  # fmt: skip
         err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed runs, "
                           f"prompt {cfg.prompt_length}, {cfg.gen_length} tokens[/dim]")  # fmt: skip
-        rows.append(b.bench_runtime(rt, cfg, label))
+        rows.append(b.bench_runtime(rt, cfg, label, trajectory))
         getattr(rt, "close", lambda: None)()
         del rt
         gc.collect()
     rows = b.with_ratios(rows)
-    out = Console(highlight=False, width=max(200, Console().width))  # 15 columns fit
+    out = Console(highlight=False, width=max(215, Console().width))  # 16 columns fit
     out.print(b.table(rows))
     if any("stages_ms_per_iteration" in r for r in rows):
         out.print(b.stage_table(rows))

@@ -14,6 +14,7 @@ import torch
 
 from oled import kernels as fused_kernels
 from oled.decoding import BlockDecoder, BlockInfo, DecodeConfig, DecodeObserver, GenerationStats
+from oled.decoding.follow import Trajectory
 from oled.model.checkpoint import Checkpoint, load_checkpoint
 from oled.model.experts import ResidentExperts
 from oled.model.graphs import EagerForward, GraphedForward
@@ -161,8 +162,10 @@ class Runtime:
         decode: DecodeConfig | None = None,
         observers: Sequence[DecodeObserver] = (),
         cancelled: Callable[[], bool] = lambda: False,
+        follow: Trajectory | None = None,
     ) -> Iterator[BlockInfo]:
-        """Yield each finished block; `last_stats` is complete once the iterator ends."""
+        """Yield each finished block; `last_stats` is complete once the iterator ends. With
+        `follow`, commit what that recorded generation committed (oled.decoding.follow)."""
         fused_kernels.use(self.kernels)
         decoder = BlockDecoder(
             self.model,
@@ -173,7 +176,10 @@ class Runtime:
         )
         self.last_stats = decoder.stats
         try:
-            for block in decoder.stream(prompt_ids, decode or self.decode, cancelled=cancelled):
+            blocks = decoder.stream(
+                prompt_ids, decode or self.decode, cancelled=cancelled, follow=follow
+            )
+            for block in blocks:
                 self.last_stats = decoder.stats
                 yield block
         finally:

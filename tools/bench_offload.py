@@ -34,7 +34,7 @@ from oled.bench import (  # noqa: E402
     with_ratios,
     write_report,
 )
-from oled.decoding import DecodeConfig  # noqa: E402
+from oled.decoding import DecodeConfig, Trajectory  # noqa: E402
 from oled.kernels import use as use_kernels  # noqa: E402
 from oled.model.checkpoint import load_checkpoint  # noqa: E402
 from oled.model.experts import ResidentExperts  # noqa: E402
@@ -82,6 +82,12 @@ def main() -> None:
         "--profile", action="store_true", help="device time per stage (rows with graphs)"
     )
     ap.add_argument("--report-dir", default="reports")
+    ap.add_argument(
+        "--no-follow",
+        dest="follow",
+        action="store_false",
+        help="let each row commit its own tokens (by default rows follow the first row's)",
+    )
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--cost", default="calibrate", help="cost model: calibrate or a profile")
     ap.add_argument("--trace", default=None, help="record the resident run's routing here")
@@ -101,13 +107,17 @@ def main() -> None:
     decode = DecodeConfig(max_new_tokens=args.gen_length)
     resident = ResidentExperts(ckpt.experts, dev)
     rows = []
+    # every row at the main prompt length commits the first row's tokens: the same work
+    trajectory = Trajectory() if args.follow else None
     kernel_modes = {"auto": ["auto"], "torch": ["torch"], "both": ["auto", "torch"]}[args.kernels]
     for kernels, graphs in [(k, g) for k in kernel_modes for g in (True, False)]:
         rt = Runtime(checkpoint=ckpt, device=dev, executor=resident, decode=decode, graphs=graphs,
                      kernels=kernels)  # fmt: skip
         mode = ("graphs" if graphs else "eager") + suffix(kernels)
         rows.append(
-            bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), f"resident {mode}")
+            bench_runtime(
+                rt, replace(cfg, profile=graphs and cfg.profile), f"resident {mode}", trajectory
+            )
         )
         for n in [int(n) for n in args.resident_prompts.split(",") if n]:
             longer = replace(cfg, prompt_length=n, profile=False)
@@ -137,17 +147,18 @@ def main() -> None:
             rt = Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=decode,
                          observers=[engine], graphs=graphs, kernels=kernels)  # fmt: skip
             label = f"{name} @ {frac:g}" + ("" if graphs else " eager") + suffix(kernels)
-            rows.append(bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), label))
+            rows.append(
+                bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), label, trajectory)
+            )
             if hasattr(p["compensation"], "slowdown"):  # learned from the measured CPU experts
                 rows[-1]["cpu_slowdown"] = p["compensation"].slowdown
                 print(f"{label}: CPU-expert slowdown now {p['compensation'].slowdown:.2f}")
             if graphs and kernels == kernel_modes[0] and args.cprofile == f"{name}@{frac:g}":
                 host_profile(rt, cfg, Path(args.report_dir) / "host_profile.txt")
-            engine.close()
             print(f"done: {label}", flush=True)
             del rt, engine, planner
             torch.cuda.empty_cache() if dev.type == "cuda" else None
-    console = Console(highlight=False, width=200)
+    console = Console(highlight=False, width=250)
     console.print(table(with_ratios(rows)))
     if args.profile:
         console.print(stage_table(rows))

@@ -1,6 +1,7 @@
 """Block diffusion decoding."""
 
 from oled.decoding.decoder import BlockDecoder, DecodeConfig, GenerationStats
+from oled.decoding.follow import Trajectory
 from oled.decoding.observers import BlockInfo, DecodeObserver, IterationInfo
 
 __all__ = [
@@ -10,4 +11,5 @@ __all__ = [
     "DecodeObserver",
     "GenerationStats",
     "IterationInfo",
+    "Trajectory",
 ]

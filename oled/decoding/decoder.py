@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from oled.decoding.follow import Trajectory
 from oled.decoding.observers import BlockInfo, DecodeObserver, IterationInfo
 from oled.model.graphs import EagerForward
 from oled.model.model import LLaDA2Model
@@ -56,11 +57,23 @@ class GenerationStats:
     iterations: int = 0
     seconds: float = 0.0
     iteration_ms: list[float] = field(default_factory=list)
+    followed: int = 0  # commits taken from a followed generation
+    agreed: int = 0  # of them, where this generation chose the same token
     stopped: str = "length"  # "stop" (EOS / role end), "length", "cancelled"
 
     @property
     def tokens_per_forward(self) -> float:
         return self.new_tokens / self.iterations if self.iterations else 0.0
+
+    @property
+    def prompt_ms(self) -> float | None:
+        """The first forward, which runs the prompt's tokens (None before any forward)."""
+        return self.iteration_ms[0] if self.iteration_ms else None
+
+    @property
+    def decode_ms(self) -> list[float]:
+        """The forwards after the first: the steady decoding iterations."""
+        return self.iteration_ms[1:]
 
     @property
     def ms_per_iteration(self) -> float:
@@ -103,6 +116,7 @@ class BlockDecoder:
         self.stop_ids = set(stop_ids)
         self.observers = list(observers)
         self.stats = GenerationStats()
+        self._follow: Trajectory | None = None  # the generation this one follows, if any
 
     def _emit(self, hook: str, *args) -> None:
         for obs in self.observers:
@@ -110,9 +124,16 @@ class BlockDecoder:
 
     @torch.inference_mode()
     def stream(
-        self, prompt: Sequence[int], cfg: DecodeConfig, *, cancelled=lambda: False
+        self,
+        prompt: Sequence[int],
+        cfg: DecodeConfig,
+        *,
+        cancelled=lambda: False,
+        follow: Trajectory | None = None,
     ) -> Iterator[BlockInfo]:
-        """Yield each finished block; `self.stats` holds the running totals."""
+        """Yield each finished block; `self.stats` holds the running totals. With `follow`,
+        commit what that recorded generation committed instead of this one's choices (the
+        stats count how often they agreed)."""
         if not prompt:
             raise ValueError("the prompt is empty")
         device = self.model.lm_head.weight.device
@@ -129,6 +150,7 @@ class BlockDecoder:
         cache = self.forward.new_cache(total, device) if cfg.use_cache else None
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature else None
         self.stats = GenerationStats(prompt_tokens=p)
+        self._follow = follow
         self._emit("on_generation_start", p)
         try:
             yield from self._blocks(seq, p, first, n_blocks, cfg, cache, gen, cancelled)
@@ -181,6 +203,8 @@ class BlockDecoder:
         masked = seq[0, start:end] == self.mask_id  # [L]
         open_ = bool(masked.any())
         it = 0
+        follow = self._follow
+        agreed = followed = 0  # device counts when following (read once, at the block's end)
         while open_:
             if cancelled():
                 return None
@@ -189,7 +213,13 @@ class BlockDecoder:
             logits, ran = self._forward(seq, start, end, cache, bl)  # [L, V], tokens run
             with stage("decode step"):
                 conf, tokens = _confidence(logits, cfg.temperature, gen)  # [L], [L]
-                commit = _commit(conf, masked, cfg.threshold)  # [L] bool
+                if follow is None:
+                    commit = _commit(conf, masked, cfg.threshold)  # [L] bool
+                else:
+                    commit, forced = follow.at(self.stats.iterations, bl, tokens.device)
+                    agreed = agreed + ((tokens == forced) & commit).sum()
+                    followed += commit.sum()
+                    tokens = forced
                 seq[0, start:end] = torch.where(commit, tokens, seq[0, start:end])
                 still = seq[0, start:end] == self.mask_id  # [L]
             open_ = bool(still.any())  # the iteration's host sync
@@ -208,6 +238,9 @@ class BlockDecoder:
             )  # fmt: skip
             masked = still
             it += 1
+        if follow is not None:
+            self.stats.followed += int(followed)
+            self.stats.agreed += int(agreed)
         return it
 
     def _forward(self, seq, start, end, cache, bl) -> tuple[Tensor, int]:

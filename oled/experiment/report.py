@@ -48,9 +48,19 @@ def per_layer(generations: Sequence[Stats]) -> list[dict[str, Any]]:
     return layers
 
 
+def _decode(generations: Sequence[Stats], key: str) -> float:
+    """`key` summed over the decode iterations (all forwards of a generation that has no
+    prompt/decode split, such as a resident one)."""
+    return float(sum((g["decode"] if "decode" in g else g).get(key, 0) or 0 for g in generations))
+
+
 def summarize(generations: Sequence[Stats]) -> dict[str, Any]:
-    """The figures of a run: latency per token and iteration (median, p90), hits, copies, CPU."""
-    iteration_ms = [ms for g in generations for ms in g.get("iteration_ms", [])]
+    """The figures of a run: latency per token, per decode iteration (median, p90; a
+    generation's first forward runs the prompt and counts apart as `prompt_ms`), hits, copies,
+    CPU."""
+    iteration_ms = [ms for g in generations for ms in g.get("iteration_ms", [])[1:]]
+    prompt_ms = [g["iteration_ms"][0] for g in generations if g.get("iteration_ms")]
+    decode_iterations = sum(max(0, len(g.get("iteration_ms", [])) - 1) for g in generations)
     tokens, iterations = _total(generations, "tokens"), _total(generations, "iterations")
     seconds = _total(generations, "seconds")
     hits, misses = _total(generations, "hits"), _total(generations, "misses")
@@ -65,20 +75,26 @@ def summarize(generations: Sequence[Stats]) -> dict[str, Any]:
         "tokens_per_second": _ratio(tokens, seconds),
         "ms_per_iteration": percentile(iteration_ms, 50),
         "ms_per_iteration_p90": percentile(iteration_ms, 90),
+        "prompt_ms": percentile(prompt_ms, 50),
         "tokens_per_forward": _ratio(tokens, iterations),
         "hit_rate": _ratio(hits, hits + misses),
         "copies": _reported(generations, "copies", int(_total(generations, "copies"))),
         "copy_gb": _reported(generations, "copy_bytes", copy_gb),
-        "copy_gb_per_iteration": _reported(generations, "copy_bytes", _ratio(copy_gb, iterations)),
+        "copy_gb_per_iteration": _reported(
+            generations,
+            "copy_bytes",
+            _ratio(_decode(generations, "copy_bytes") / 1e9, decode_iterations),
+        ),
         "cpu_share": _ratio(cpu, cpu + gpu),
         "stall_ms": _reported(generations, "stall_ms", _total(generations, "stall_ms")),
-        "stall_ms_per_iteration": _ratio(_total(generations, "stall_ms"), iterations),
+        "stall_ms_per_iteration": _ratio(_decode(generations, "stall_ms"), decode_iterations),
     }
 
 
 SUMMARY_ROWS = [  # (key, label, format)
-    ("ms_per_iteration", "ms / iteration (median)", "{:.2f}"),
-    ("ms_per_iteration_p90", "ms / iteration (p90)", "{:.2f}"),
+    ("ms_per_iteration", "ms / decode iteration (median)", "{:.2f}"),
+    ("ms_per_iteration_p90", "ms / decode iteration (p90)", "{:.2f}"),
+    ("prompt_ms", "ms / prompt forward (median)", "{:.1f}"),
     ("ms_per_token", "ms / token", "{:.2f}"),
     ("tokens_per_second", "tokens / s", "{:.1f}"),
     ("tokens_per_forward", "tokens / forward", "{:.2f}"),

@@ -16,7 +16,7 @@ from oled.model.experts import ExpertStore, expert_pairs, expert_rows
 from oled.offload.copies import Rows, launch
 from oled.policies.base import CostModel
 
-_PATHS = "rows-2"  # the engine's copy and CPU-expert paths: a new one measures again
+_PATHS = "rows-3"  # the engine's copy and CPU-expert paths: a new one measures again
 
 
 def machine_key(store: ExpertStore, device: torch.device) -> str:
@@ -103,18 +103,15 @@ def measure(store: ExpertStore, device: torch.device) -> CostModel:
 
 def _cpu_path_costs(w13, w2, device) -> tuple[float, float]:
     """Per-expert CPU cost as the engine pays it: activations to host, the CPU experts'
-    GEMMs over the host table, their rows back to the device, and the hand-off to the worker
-    thread. Fitted as (fixed, per token) for one expert, with the
-    layer's fixed overhead shared out over a typical handful of CPU experts.
+    GEMMs over the host table and their rows back to the device. Fitted as (fixed, per token)
+    for one expert, with the layer's fixed overhead shared out over a typical handful of CPU
+    experts.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     h = w2.shape[1]
     t, k = 32, min(8, w13.shape[0])
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(t, h, generator=gen).to(device=device, dtype=w13.dtype)
     weights = torch.rand(t, k, generator=gen)
-    pool = ThreadPoolExecutor(max_workers=1)
 
     def layer(n_experts: int, tokens_each: int):
         ids = torch.full((t, k), -1, dtype=torch.long)
@@ -122,18 +119,14 @@ def _cpu_path_costs(w13, w2, device) -> tuple[float, float]:
             ids.view(-1)[e * tokens_each : (e + 1) * tokens_each] = e
 
         def run():
-            x_host = x.to("cpu")
-            job = pool.submit(expert_rows, x_host, ids, weights, w13, w2)
-            return [part.to(device) for part in job.result()]
+            parts = expert_rows(x.to("cpu"), ids, weights, w13, w2)
+            return [part.to(device) for part in parts]
 
         return run
 
-    try:
-        fixed_ms = _timed(layer(1, 1), device)
-        few = _timed(layer(4, 4), device) / 4
-        many = _timed(layer(4, 32), device) / 4
-    finally:
-        pool.shutdown()
+    fixed_ms = _timed(layer(1, 1), device)
+    few = _timed(layer(4, 4), device) / 4
+    many = _timed(layer(4, 32), device) / 4
     per_token = max((many - few) / 28, 1e-4)
     return max(few - 4 * per_token, fixed_ms / 4), per_token
 

@@ -1,18 +1,20 @@
 """The offload engine: per-layer expert slot caches on the device, copies on their own stream,
-CPU experts on a worker thread, all computing exactly the function of the all-resident model.
+CPU experts on the host while the device works, all computing exactly the function of the
+all-resident model.
 
 Per MoE layer call (the host decision path): routing ids and weights go to the host in one
 transfer (the layer's one device-to-host sync), the planner decides hits, copies, staged copies
-and CPU experts, copies are launched on the copy stream, CPU experts are submitted to the worker,
-hits are computed at once by a grouped GEMM over the slot table, the copied experts after their
-copy event, and the CPU results are added into the same [T, K, H] pair buffer before the top-k
-sum, so the summation order never depends on where a pair was computed.
+and CPU experts, copies are launched on the copy stream, the CPU experts' activations start for
+pinned host memory, hits are computed by a grouped GEMM over the slot table, the copied experts
+after their copy event; once all of that is queued, the host computes the CPU experts, and their
+results are added into the same [T, K, H] pair buffer before the top-k sum, so the summation
+order never depends on where a pair was computed.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -60,12 +62,11 @@ class OffloadEngine(DecodeObserver):
         self._maps_np = self._maps_host.numpy()  # [L, rows, E] view of the pinned buffer
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._stage_free: torch.cuda.Event | None = None
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oled-cpu-experts")
         self.metrics = EngineMetrics(layers)
         self._routing: list[tuple[np.ndarray, np.ndarray] | None] = [None] * layers
         self._events: list[tuple[int, torch.cuda.Event, ...]] = []
         self._timing = _EventPool()
-        self._copy_busy = self._cpu_busy = 0.0
+        self._copy_busy = 0.0  # when the copies queued so far should end (cost model)
         self._compute: torch.cuda.Stream | None = None  # the current layer call's stream
         self._routing_host: dict[int, tuple[Tensor, Tensor]] = {}  # pinned, per token count
         self._static_io: dict[tuple[int, int], tuple[MoERequest, Tensor]] = {}
@@ -137,22 +138,14 @@ class OffloadEngine(DecodeObserver):
             plan = self.planner.plan(layer, ids_np, w_np, self._load())
             t2 = time.perf_counter()
             ready = self._copy(layer, plan)  # first: the copies are the longest path
-            cpu_job = self._start_cpu(layer, r.x, ids_np, w_np, plan)
+            cpu_job = self._cpu_job(layer, r.x, ids_np, w_np, plan)
             maps = self._upload_maps(layer, plan)  # [rows, E] on the device
         with stage("grouped GEMM"):
             pairs = self._gpu_pairs(r, maps, plan, ready, into)  # [T, K, H] fp32
         self._account(layer, plan, t1 - t0, t2 - t1, time.perf_counter() - t1)
         if cpu_job is not None:
             with stage("CPU experts"):
-                index, rows, cpu_ms, done = cpu_job.result()  # [N], [N, H] of the T*K pairs
-                self.metrics.add(layer, cpu_ms=cpu_ms)
-                # the policy learns what the layer sees: from planned to the result's readiness
-                self.planner.observe_cpu(layer, plan.cpu_tokens, 1000 * (done - t2))
-                flat = pairs.view(-1, pairs.shape[-1])  # [T*K, H]; zero at the CPU's pairs
-                dev = self.device
-                flat.index_add_(
-                    0, index.to(dev, non_blocking=True), rows.to(dev, non_blocking=True)
-                )
+                self._cpu_pairs(cpu_job, pairs, t2)
         return pairs
 
     def _routing_to_host(self, r: MoERequest) -> tuple[np.ndarray, np.ndarray]:
@@ -173,11 +166,10 @@ class OffloadEngine(DecodeObserver):
         return host_ids.numpy().copy(), host_w.numpy().copy()
 
     def _load(self) -> Load:
+        """The queues a layer's plan starts from. CPU experts run within their layer call, so
+        the CPU queue is empty."""
         now = 1000 * time.perf_counter()
-        return Load(
-            copy_queue_ms=max(0.0, self._copy_busy - now),
-            cpu_queue_ms=max(0.0, self._cpu_busy - now),
-        )
+        return Load(copy_queue_ms=max(0.0, self._copy_busy - now))
 
     def _upload_maps(self, layer: int, plan: LayerPlan) -> Tensor:
         """expert -> slot for hits, for experts copied into the cache now, and for each round of
@@ -282,9 +274,9 @@ class OffloadEngine(DecodeObserver):
         with stage("copies"):
             launch(self._src_rows[layer], rows, experts.tolist(), slots.tolist(), self.copy_stream)
 
-    def _start_cpu(self, layer, x, ids_np, w_np, plan) -> Future | None:
-        """Submit this layer's CPU experts to the worker. Their activations go to pinned host
-        memory without a sync: the worker waits for the copy's event, not the caller."""
+    def _cpu_job(self, layer, x, ids_np, w_np, plan) -> CpuJob | None:
+        """This layer's CPU experts, their activations on the way to pinned host memory without
+        a sync (the host waits for the copy's event only when it computes them)."""
         if not len(plan.cpu_experts):
             return None
         on_cpu = np.zeros(self.num_experts, bool)
@@ -294,30 +286,29 @@ class OffloadEngine(DecodeObserver):
         if self.cuda:
             x_host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             x_host.copy_(x, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self._compute)
-        cost = self.planner.cost
-        now = 1000 * time.perf_counter()
-        work = float(np.sum(cost.cpu_ms(plan.cpu_tokens)))
-        self._cpu_busy = max(now, self._cpu_busy) + work
-        weights = torch.from_numpy(w_np)  # [T, K] fp32
-        return self.pool.submit(self._cpu_pairs, layer, x_host, slots, weights, copied)
+            copied = self._timing.record(self._compute)
+        return CpuJob(layer, x_host, slots, torch.from_numpy(w_np), copied, plan.cpu_tokens)
 
-    def _cpu_pairs(self, layer: int, x: Tensor, slots: Tensor, weights: Tensor, copied):
-        """On the worker thread: the CPU experts' pairs as (index [N] into the T*K pairs,
-        weighted outputs [N, H] fp32), in pinned memory when serving a GPU so that they go
-        back without a sync; the job's milliseconds; the perf_counter time it finished."""
-        t0 = time.perf_counter()  # the job's time includes waiting for its activations
-        if copied is not None:
-            copied.synchronize()
+    def _cpu_pairs(self, job: CpuJob, pairs: Tensor, t_plan: float) -> None:
+        """Compute a job's experts on the host (the device's work of the layer is queued) and
+        add their weighted outputs into `pairs` (zero at the CPU's pairs); the policy learns
+        the time from the plan (`t_plan`) to the result."""
+        t0 = time.perf_counter()
+        if job.copied is not None:
+            job.copied.synchronize()
         with torch.inference_mode():
-            index, rows = expert_rows(
-                x, slots, weights, self.store.w13[layer], self.store.w2[layer]
+            store = self.store
+            index, rows = expert_rows(  # [N] into the T*K pairs, [N, H] fp32
+                job.x, job.slots, job.weights, store.w13[job.layer], store.w2[job.layer]
             )
-            if self.cuda:
-                index, rows = index.pin_memory(), rows.pin_memory()
         done = time.perf_counter()
-        return index, rows, 1000 * (done - t0), done
+        self.metrics.add(job.layer, cpu_ms=1000 * (done - t0))
+        self.planner.observe_cpu(job.layer, job.tokens, 1000 * (done - t_plan))
+        flat = pairs.view(-1, pairs.shape[-1])  # [T*K, H]
+        if self.cuda:  # pinned, so that they go up without a sync
+            index, rows = index.pin_memory(), rows.pin_memory()
+        dev = self.device
+        flat.index_add_(0, index.to(dev, non_blocking=True), rows.to(dev, non_blocking=True))
 
     def _account(
         self, layer: int, plan: LayerPlan, sync_s: float, plan_s: float, host_s: float
@@ -338,8 +329,8 @@ class OffloadEngine(DecodeObserver):
             sync_ms=1000 * sync_s,
             plan_ms=1000 * plan_s,
             host_ms=1000 * host_s,
+            calls=1,
         )
-        self.metrics.layer_calls += 1
 
     # -- observer hooks -------------------------------------------------------------------------
 
@@ -378,7 +369,8 @@ class OffloadEngine(DecodeObserver):
         self._cache_rows[r.layer] = Rows.of(self.w13[r.layer], self.w2[r.layer])
 
     def _collect_events(self) -> None:
-        if not self._events:
+        if not self._events:  # any recorded events were CPU jobs', waited for on the host
+            self._timing.recycle()
             return
         torch.cuda.current_stream(self.device).synchronize()
         self.copy_stream.synchronize()
@@ -389,8 +381,19 @@ class OffloadEngine(DecodeObserver):
         self._stage_free = None  # both streams are idle: the stage is free
         self._timing.recycle()
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
+
+@dataclass
+class CpuJob:
+    """A layer's CPU experts: activations x [T, H] (pinned host memory when serving a GPU; ready
+    after the `copied` event), slots [T, K] (the expert id at the CPU's pairs, else -1), routing
+    weights [T, K] fp32, tokens per CPU expert."""
+
+    layer: int
+    x: Tensor
+    slots: Tensor
+    weights: Tensor
+    copied: torch.cuda.Event | None
+    tokens: np.ndarray
 
 
 class _EventPool:

@@ -6,7 +6,7 @@ import numpy as np
 
 FIELDS = (
     "hits", "misses", "copies", "copy_bytes", "staged", "cpu_experts", "cpu_tokens",
-    "gpu_experts", "stall_ms", "copy_ms", "cpu_ms", "sync_ms", "plan_ms", "host_ms",
+    "gpu_experts", "stall_ms", "copy_ms", "cpu_ms", "sync_ms", "plan_ms", "host_ms", "calls",
 )  # fmt: skip
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
@@ -16,10 +16,14 @@ class EngineMetrics:
 
     hits / misses count distinct experts needed by a layer in a forward; copies include
     prefetches; stall_ms is the time the compute stream waited for copies (CUDA events);
-    copy_ms the copy stream's busy time; cpu_ms the CPU workers' expert time; sync_ms the wait
+    copy_ms the copy stream's busy time; cpu_ms the host's CPU-expert time; sync_ms the wait
     for the routing to reach the host (the layer's one sync, which also waits for the GPU work
     queued before it); host_ms the host decision path after it (planning, launching copies,
-    compute and CPU experts), plan_ms the planner's part of it (the policies' decisions).
+    compute and CPU experts), plan_ms the planner's part of it (the policies' decisions);
+    calls the layer calls.
+
+    `summary` gives the figures over all forwards, and apart for the generation's first forward
+    ("prompt": it runs the prompt's tokens, so it misses most experts) and the rest ("decode").
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -31,7 +35,6 @@ class EngineMetrics:
         self._layers = [[0.0] * len(FIELDS) for _ in range(self.num_layers)]  # [L][F]
         self.iterations: list[list[float]] = []  # each [F]: sums over layers
         self._current = [0.0] * len(FIELDS)
-        self.layer_calls = 0
 
     @property
     def layer(self) -> np.ndarray:
@@ -53,25 +56,39 @@ class EngineMetrics:
         return float(self.layer[:, FIELDS.index(name)].sum())
 
     def summary(self) -> dict:
-        """Run totals and per-layer figures (JSON-friendly)."""
+        """Run totals with their rates, per-layer figures, per-iteration sums, and the same
+        totals and rates for the prompt forward and the decode iterations (JSON-friendly)."""
         layer = self.layer  # [L, F]
-        out: dict = {name: float(layer[:, i].sum()) for i, name in enumerate(FIELDS)}
-        requests = out["hits"] + out["misses"]
-        out["hit_rate"] = out["hits"] / requests if requests else 1.0
-        experts = out["gpu_experts"] + out["cpu_experts"]
-        out["cpu_share"] = out["cpu_experts"] / experts if experts else 0.0
-        out["host_us_per_layer"] = 1000 * out["host_ms"] / max(1, self.layer_calls)
-        out["sync_us_per_layer"] = 1000 * out["sync_ms"] / max(1, self.layer_calls)
-        out["plan_us_per_layer"] = 1000 * out["plan_ms"] / max(1, self.layer_calls)
+        out = with_rates(dict(zip(FIELDS, layer.sum(axis=0).tolist(), strict=True)))
         out["per_layer"] = [
             {name: float(layer[m, i]) for i, name in enumerate(FIELDS)}
             | {"hit_rate": _rate(layer[m])}
             for m in range(self.num_layers)
         ]
-        out["per_iteration"] = [
-            {name: float(row[i]) for i, name in enumerate(FIELDS)} for row in self.iterations
-        ]
+        out["per_iteration"] = [dict(zip(FIELDS, row, strict=True)) for row in self.iterations]
+        prompt, decode = self.iterations[:1], self.iterations[1:]
+        out["prompt"] = _part(prompt)
+        out["decode"] = _part(decode)
         return out
+
+
+def with_rates(totals: dict) -> dict:
+    """Totals (FIELDS) plus hit_rate, cpu_share and host/sync/plan microseconds per layer call."""
+    out = dict(totals)
+    requests = out["hits"] + out["misses"]
+    out["hit_rate"] = out["hits"] / requests if requests else 1.0
+    experts = out["gpu_experts"] + out["cpu_experts"]
+    out["cpu_share"] = out["cpu_experts"] / experts if experts else 0.0
+    calls = max(1.0, out["calls"])
+    for name in ("host", "sync", "plan"):
+        out[f"{name}_us_per_layer"] = 1000 * out[f"{name}_ms"] / calls
+    return out
+
+
+def _part(rows: list[list[float]]) -> dict:
+    """Totals and rates over some iterations' rows, with their count."""
+    totals = np.array(rows, np.float64).reshape(-1, len(FIELDS)).sum(axis=0)
+    return with_rates(dict(zip(FIELDS, totals.tolist(), strict=True))) | {"iterations": len(rows)}
 
 
 def _rate(row: np.ndarray) -> float:

@@ -304,6 +304,9 @@ class Planner:
         copied = copy_experts[used[copy_experts]] if len(prefetch) else copy_experts
         gpu = np.concatenate([hits, copied]) if len(copied) else hits
         cpu_tokens = counts[cpu]
+        stage_slots = (
+            np.arange(n_stage, dtype=np.int64) % self.stage_capacity if n_stage else _EMPTY
+        )
 
         row = self.stats.rows[layer]
         row[0] += 1
@@ -314,7 +317,7 @@ class Planner:
         row[5] += n_cache - len(copied)
         row[6] += n_stage
         row[7] += len(cpu)
-        row[8] += int(cpu_tokens.sum())
+        row[8] += int(cpu_tokens.sum()) if len(cpu) else 0
         row[9] += len(victims)
         return LayerPlan(
             layer=layer,
@@ -323,7 +326,7 @@ class Planner:
             copy_experts=copy_experts,
             copy_slots=copy_slots,
             stage_experts=over,
-            stage_slots=np.arange(n_stage, dtype=np.int64) % max(1, self.stage_capacity),
+            stage_slots=stage_slots,
             cpu_experts=cpu,
             cpu_tokens=cpu_tokens,
             hits=hits,

@@ -43,7 +43,7 @@ def _h200() -> CostModel:
     # grouped GEMM 0.11/0.13/0.20/0.30/0.38 ms at 8/32/64/128/256 distinct experts;
     # routing + one host sync per MoE layer: 8.8 ms / 19 layers.
     # A CPU expert alone takes 0.19-0.32 ms (1-64 tokens), but as the engine runs it (activations
-    # to host, the worker thread, the result back while the GPU waits) the calibration on an H200
+    # to host, the hand-off, the result back while the GPU waits) the calibration on an H200
     # machine measured 1.20 ms + 0.0014 ms per token (docs/bench/*-h200-calibrated-cost.json).
     cpu_fixed, cpu_tok = 1.20, 0.0014
     gpu_fixed, gpu_exp = _fit_line([8, 32, 64, 128, 256], [0.11, 0.13, 0.20, 0.30, 0.38])

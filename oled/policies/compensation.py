@@ -37,6 +37,18 @@ def best_split(
     return out
 
 
+def copying_all_is_best(cpu_cost: np.ndarray, load: Load, cost: CostModel) -> bool:
+    """True when no CPU expert can finish before the copies of all misses would (the usual
+    case in decoding): then k = n is the unique minimum of `best_split`'s objective for any
+    future cost >= 0, since every k < n leaves at least the fastest CPU expert on the CPU."""
+    n = len(cpu_cost)
+    if not n:
+        return False
+    copy_all = load.copy_queue_ms + cost.copy_fixed_ms + n * cost.copy_ms_per_expert
+    fastest = float(cpu_cost.min())
+    return fastest > 0 and load.cpu_queue_ms + fastest > copy_all
+
+
 def _copy_times(n: int, queue_ms: float, cost: CostModel) -> np.ndarray:
     """[n + 1] copy-engine finish time after copying 0..n experts."""
     t = np.arange(n + 1, dtype=np.float64)
@@ -100,6 +112,8 @@ class CooperativeCompensation(CompensationPolicy):
     ) -> np.ndarray:
         """Greedy prefix split over the ranked misses."""
         cpu_cost = self.slowdown * (cost.cpu_fixed_ms + cost.cpu_ms_per_token * tokens)
+        if self.future_weight * self.horizon >= 0 and copying_all_is_best(cpu_cost, load, cost):
+            return np.ones(len(experts), bool)  # reuse >= 0, so the future cost is too
         miss_again = np.minimum(cpu_cost, cost.copy_ms_per_expert)
         future = (self.future_weight * self.horizon) * reuse * miss_again
         order = (-(cpu_cost + future)).argsort(kind="stable")
@@ -124,6 +138,8 @@ class MakespanCompensation(CompensationPolicy):
     ) -> np.ndarray:
         """Minimise max(copy finish, CPU finish)."""
         cpu_cost = cost.cpu_fixed_ms + cost.cpu_ms_per_token * tokens  # misses have tokens > 0
+        if copying_all_is_best(cpu_cost, load, cost):
+            return np.ones(len(experts), bool)
         order = (-cpu_cost).argsort(kind="stable")
         return best_split(cpu_cost=cpu_cost, order=order, load=load, cost=cost)
 

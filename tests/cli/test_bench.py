@@ -10,6 +10,8 @@ from typer.testing import CliRunner
 
 from oled import bench
 from oled.cli import app
+from oled.decoding.decoder import GenerationStats
+from oled.offload.metrics import EngineMetrics
 
 runner = CliRunner()
 
@@ -28,18 +30,37 @@ def test_bench_tiny_writes_a_report(tiny_dir, tmp_path):
     assert report["config"]["prompt_length"] == 20 and "offload" not in row
 
 
+def _engine_summary(prompt: dict, *decode: dict) -> dict:
+    """An engine summary of one generation: the prompt forward's figures, then each decode
+    iteration's (one layer call each)."""
+    metrics = EngineMetrics(1)
+    for values in (prompt, *decode):
+        metrics.add(0, calls=1, **values)
+        metrics.end_iteration()
+    return metrics.summary()
+
+
 def test_offload_columns_and_ratios():
     def stats(ms):
-        return SimpleNamespace(iteration_ms=ms, iterations=len(ms), new_tokens=len(ms),
-                               seconds=sum(ms) / 1000)  # fmt: skip
+        return GenerationStats(iterations=len(ms), new_tokens=len(ms), seconds=sum(ms) / 1000,
+                               iteration_ms=ms)  # fmt: skip
 
-    def row(label, ms, hit):
-        return bench.summarise(label, [stats(ms)], [{"hit_rate": hit, "copies": 4.0}])
+    def row(label, ms, hits):
+        off = _engine_summary({"misses": 9, "copies": 90}, *({"hits": hits, "misses": 1,
+                              "copies": 4} for _ in ms[1:]))  # fmt: skip
+        return bench.summarise(label, [stats(ms)], [off])
 
-    rows = bench.with_ratios([row("resident", [10.0, 12.0], 1.0), row("half", [20.0, 24.0], 0.5)])
+    rows = [row("resident", [50.0, 10.0, 12.0], 1), row("half", [90.0, 20.0, 24.0], 3)]
+    rows = bench.with_ratios(rows)
+    # decode iterations only: the prompt forward (the first) is apart
+    assert rows[0]["ms_per_iteration_median"] == 11.0 and rows[0]["prompt_ms"] == 50.0
+    assert rows[1]["ms_per_iteration_mean"] == 22.0
     assert rows[1]["ms_ratio_to_first"] == 2.0
-    assert rows[1]["offload"] == {"hit_rate": 0.5, "copies_per_iteration": 2.0}
-    copied = bench.summarise("c", [stats([5.0])], [{"copy_bytes": 6e9, "copy_ms": 120.0}])
+    off = rows[1]["offload"]
+    assert off["hit_rate"] == 0.75 and off["copies_per_iteration"] == 4.0
+    assert off["prompt_copies"] == 90.0
+    copied = _engine_summary({}, {"copy_bytes": 6e9, "copy_ms": 120.0})
+    copied = bench.summarise("c", [stats([1.0, 5.0])], [copied])
     assert copied["offload"]["copy_gb_per_s"] == 50.0  # bytes over the copy stream's busy time
     from rich.console import Console
 
@@ -90,10 +111,15 @@ def test_bench_compares_recipes_side_by_side(tiny_dir, tmp_path):
         common + '[runtime]\ndevice = "cpu"\nbudget = { expert_fraction = 0.25 }\n'
         'cost = "cpu-ci"\n[policy.retention]\nkind = "lru"\n'
     )
-    args = ["bench", str(a), str(b), "--prompt-length", "20", "--runs", "1", "--warmup-runs", "0"]
+    args = ["bench", str(a), str(b), "--prompt-length", "20", "--runs", "1", "--warmup-runs", "0",
+            "--report-dir", str(tmp_path)]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "resident" in result.output and "lru" in result.output
+    first, second = json.loads(next(tmp_path.glob("bench-*.json")).read_text())["rows"]
+    # the second row committed the first row's tokens; GPU-only offloading chose them too
+    assert "agreement" not in first and second["agreement"] == 1.0
+    assert second["iterations"] == first["iterations"] and second["output"] == first["output"]
 
 
 def test_bad_recipe_fails_with_one_line(tmp_path):

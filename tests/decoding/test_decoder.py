@@ -126,3 +126,40 @@ def test_cancel_stops_generation(rt):
     assert rt.last_stats.stopped == "cancelled"
     assert rt.last_stats.iterations <= 3
     assert blocks == []
+
+
+def _generate(rt, prompt, decode, **kw) -> list[int]:
+    return [t for block in rt.stream(prompt, decode=decode, **kw) for t in block.new_tokens]
+
+
+def test_follow_commits_the_recorded_generation(rt):
+    """A sampled generation records its commits; a greedy one that follows them does the same
+    work (same tokens, same iterations) while its own choices differ."""
+    from oled.decoding import Trajectory
+
+    prompt = rt.prompt_ids("Who wrote Hamlet?", chat=True)
+    sampled = DecodeConfig(max_new_tokens=48, threshold=0.9, temperature=1.5, seed=7)
+    greedy = DecodeConfig(max_new_tokens=48, threshold=0.9)
+    trajectory = Trajectory()
+    recorded = _generate(rt, prompt, sampled, observers=[trajectory])
+    ms_recorded = list(rt.last_stats.iteration_ms)
+    own = _generate(rt, prompt, greedy)
+    assert own != recorded  # the greedy model would choose otherwise
+    followed = _generate(rt, prompt, greedy, follow=trajectory)
+    stats = rt.last_stats
+    assert followed == recorded and len(stats.iteration_ms) == len(ms_recorded)
+    assert stats.followed >= len(recorded) and 0 < stats.agreed < stats.followed
+    again = _generate(rt, prompt, sampled, follow=trajectory)  # the same choices: full agreement
+    assert again == recorded and rt.last_stats.agreed == rt.last_stats.followed
+
+
+def test_follow_rejects_another_generation(rt):
+    from oled.decoding import Trajectory
+
+    prompt = rt.prompt_ids("Hi", chat=True)
+    trajectory = Trajectory()
+    _generate(rt, prompt, DecodeConfig(max_new_tokens=8, threshold=1.0), observers=[trajectory])
+    with pytest.raises(ValueError, match="ended after"):
+        _generate(rt, prompt, DecodeConfig(max_new_tokens=64, threshold=1.0), follow=trajectory)
+    with pytest.raises(ValueError, match="blocks of 32 tokens, not 16"):
+        _generate(rt, prompt, DecodeConfig(block_length=16, threshold=1.0), follow=trajectory)

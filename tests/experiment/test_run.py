@@ -41,7 +41,9 @@ def test_summarize() -> None:
     ]  # fmt: skip
     s = summarize(gens)
     assert s["ms_per_token"] == 125.0 and s["tokens_per_forward"] == 2.0
-    assert s["ms_per_iteration"] == 2.5 and s["ms_per_iteration_p90"] == pytest.approx(3.7)
+    # the first forward of each generation runs the prompt: apart from the decode iterations
+    assert s["ms_per_iteration"] == 3.5 and s["ms_per_iteration_p90"] == pytest.approx(3.9)
+    assert s["prompt_ms"] == 1.5 and s["stall_ms_per_iteration"] == 2.0
     assert s["hit_rate"] == 0.5 and s["cpu_share"] == 0.125 and s["copy_gb"] == 2.0
     assert [layer["hit_rate"] for layer in per_layer(gens)] == [0.25, 0.75]
     assert summarize([])["hit_rate"] is None and percentile([], 50) is None

@@ -113,6 +113,12 @@ def test_stats_count_every_request(tiny_dir):
         assert s["copy_bytes"] == s["copies"] * rt.checkpoint.experts.expert_bytes
         assert 0 < s["hit_rate"] < 1
         assert 0 < s["plan_ms"] <= s["host_ms"] and s["plan_us_per_layer"] > 0
+        # the prompt forward and the decode iterations split the totals
+        prompt, decode = s["prompt"], s["decode"]
+        assert prompt["iterations"] == 1 and decode["iterations"] == s["iterations"] - 1
+        assert prompt["calls"] == 3 and prompt["calls"] + decode["calls"] == s["calls"]
+        assert prompt["copies"] + decode["copies"] == s["copies"]
+        assert prompt["misses"] / prompt["calls"] > decode["misses"] / decode["calls"]
     finally:
         rt.close()
 

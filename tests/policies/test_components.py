@@ -29,6 +29,8 @@ from oled.policies.compensation import (
     MakespanCompensation,
     StaticHot,
     TransferOnly,
+    best_split,
+    copying_all_is_best,
 )
 from oled.policies.retention import ConfidenceRetention, LFURetention, LRURetention
 
@@ -197,6 +199,44 @@ def test_makespan_balances_queues() -> None:
         load=Load(), cost=COST,
     )  # fmt: skip
     assert 0 < out.sum() < 10
+
+
+def _brute_split(cpu_cost, order, load, cost, future) -> np.ndarray:
+    """best_split by its definition: every k in turn, the first minimum."""
+    n = len(order)
+    objs = []
+    for k in range(n + 1):
+        copy_t = load.copy_queue_ms + (cost.copy_fixed_ms + k * cost.copy_ms_per_expert if k else 0)
+        rest = order[k:]
+        obj = max(copy_t, load.cpu_queue_ms + cpu_cost[rest].sum()) + future[rest].sum()
+        objs.append(obj)
+    out = np.zeros(n, bool)
+    out[order[: int(np.argmin(objs))]] = True
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    cpu=st.floats(0.01, 3.0),
+    spread=st.floats(0.0, 2.0),
+    copy_queue=st.floats(0.0, 5.0),
+    cpu_queue=st.floats(0.0, 5.0),
+    seed=st.integers(0, 1000),
+)
+def test_best_split_matches_its_definition(n, cpu, spread, copy_queue, cpu_queue, seed) -> None:
+    """The cumulative-sum evaluation, and the shortcut taken when no CPU expert can beat
+    copying all."""
+    rng = np.random.default_rng(seed)
+    cpu_cost = cpu + spread * rng.random(n)
+    order = rng.permutation(n)
+    future = 0.1 * rng.random(n)
+    load = Load(copy_queue_ms=copy_queue, cpu_queue_ms=cpu_queue)
+    got = best_split(cpu_cost=cpu_cost, order=order, load=load, cost=COST, future=future)
+    want = _brute_split(cpu_cost, order, load, COST, future)
+    assert np.array_equal(got, want)
+    if copying_all_is_best(cpu_cost, load, COST):  # the policies' shortcut agrees
+        assert want.all()
 
 
 def stats(ws: list[float], reuse: list[float]) -> LayerStats:
