@@ -209,12 +209,16 @@ def bench_runtime(
 
     With a `trajectory` the rows do the same work: an empty one records this row's first timed
     run; a recorded one is followed by every run of this row, whose `agreement` is the share of
-    the followed commits where its own choice was the same token.
+    the followed commits where its own choice was the same token. A row whose prompt differs
+    (another tokenizer) decodes freely.
     """
     decode = bench_decode(rt, cfg)
     prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
-    follow = trajectory if trajectory is not None and trajectory.steps else None
-    record = [trajectory] if trajectory is not None and follow is None else []
+    recorded = trajectory is not None and bool(trajectory.steps)
+    follow = trajectory if recorded and trajectory.prompt == tuple(prompt) else None
+    record = [trajectory] if trajectory is not None and not recorded else []
+    if record:
+        trajectory.prompt = tuple(prompt)
     for _ in range(cfg.warmup_runs):
         run_once(rt, prompt, decode, follow=follow)
     runs, offload, outputs = [], [], []

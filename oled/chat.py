@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -101,15 +100,15 @@ def stats_lines(last: LastReply | None) -> list[str]:
     if last is None:
         return ["no reply yet"]
     s = last.stats
-    ms = s.iteration_ms or [0.0]
-    p90 = statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else ms[0]
+    median, p90 = s.decode_median_p90()
     first = f"{1000 * last.first_block_s:.0f} ms" if last.first_block_s is not None else "n/a"
     off = last.offload or {}
     return [
         f"prompt {s.prompt_tokens} tokens; reply {s.new_tokens} tokens in {s.iterations} forwards, "
         f"{s.tokens_per_forward:.2f} tokens/forward, finish: {s.stopped}",
         f"latency: {last.seconds:.2f} s total, first block {first}, "
-        f"{statistics.median(ms):.1f} ms/iteration median, {p90:.1f} ms p90, "
+        f"prompt forward {s.prompt_ms or 0.0:.0f} ms, then {median:.1f} ms/iteration median, "
+        f"{p90:.1f} ms p90, "
         f"{s.tokens_per_second:.1f} tokens/s",
         f"offload: hit rate {_pct(off.get('hit_rate'))}, copies {_num(off.get('copies'))}, "
         f"copied {_bytes(off.get('copy_bytes'))}, CPU experts {_num(off.get('cpu_experts'))}",

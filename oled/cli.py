@@ -62,13 +62,12 @@ def generate(
 
 
 def print_stats(stats) -> None:
-    import statistics
-
-    ms = stats.iteration_ms or [0.0]
+    median, _ = stats.decode_median_p90()
     err_console.print(
         f"[dim]{stats.new_tokens} tokens, {stats.iterations} forwards, "
         f"{stats.tokens_per_forward:.2f} tokens/forward, "
-        f"{statistics.median(ms):.1f} ms/iteration (median), "
+        f"prompt forward {stats.prompt_ms or 0.0:.1f} ms, "
+        f"{median:.1f} ms/iteration after it (median), "
         f"{stats.tokens_per_second:.1f} tokens/s, finish: {stats.stopped}[/dim]"
     )
 

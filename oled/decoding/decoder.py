@@ -11,6 +11,7 @@ recomputing the whole sequence.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,13 @@ class GenerationStats:
     def decode_ms(self) -> list[float]:
         """The forwards after the first: the steady decoding iterations."""
         return self.iteration_ms[1:]
+
+    def decode_median_p90(self) -> tuple[float, float]:
+        """Median and p90 ms of the decode iterations (of every forward when there is only
+        one; 0 before any)."""
+        ms = self.decode_ms or self.iteration_ms or [0.0]
+        p90 = statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else ms[0]
+        return statistics.median(ms), p90
 
     @property
     def ms_per_iteration(self) -> float:

@@ -18,6 +18,7 @@ class Trajectory(DecodeObserver):
 
     def __init__(self) -> None:
         self.steps: list[tuple[Tensor, Tensor]] = []
+        self.prompt: tuple[int, ...] = ()  # the prompt it was recorded for, if the recorder says
 
     def on_generation_start(self, prompt_length: int) -> None:
         self.steps = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -28,6 +29,21 @@ def test_bench_tiny_writes_a_report(tiny_dir, tmp_path):
     row = report["rows"][0]
     assert row["runs"] == 2 and row["tokens"] == 16 and row["ms_per_iteration_median"] > 0
     assert report["config"]["prompt_length"] == 20 and "offload" not in row
+
+
+def test_rows_follow_only_the_same_prompt(tiny_dir):
+    from oled.decoding import Trajectory
+    from oled.runtime import load_runtime
+
+    rt = load_runtime(str(tiny_dir), device="cpu", dtype="float32")
+    cfg = bench.BenchConfig(gen_length=8, block_length=8, prompt_length=20, runs=1, warmup_runs=0)
+    trajectory = Trajectory()
+    first = bench.bench_runtime(rt, cfg, "first", trajectory)
+    assert trajectory.steps and len(trajectory.prompt) == 20 and "agreement" not in first
+    same = bench.bench_runtime(rt, cfg, "same", trajectory)
+    assert same["agreement"] == 1.0 and same["output"] == first["output"]
+    other = bench.bench_runtime(rt, replace(cfg, prompt_length=24), "other", trajectory)
+    assert "agreement" not in other  # another prompt: decoded freely
 
 
 def _engine_summary(prompt: dict, *decode: dict) -> dict:
