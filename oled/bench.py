@@ -23,6 +23,7 @@ import torch
 
 from oled import kernels
 from oled.decoding import DecodeObserver
+from oled.decoding.decoder import median_p90
 from oled.decoding.follow import Trajectory
 from oled.model.stages import STAGES, annotate
 from oled.offload.metrics import FIELDS, with_rates
@@ -243,15 +244,16 @@ def bench_runtime(
 def summarise(label: str, runs: Sequence[Any], offload: Sequence[dict] = ()) -> dict[str, Any]:
     """A row: iteration times over the decode iterations (a run's first forward runs the
     prompt and is reported apart as `prompt_ms`), throughput over whole generations."""
-    ms = [m for s in runs for m in s.decode_ms] or [m for s in runs for m in s.iteration_ms]
+    ms = [m for s in runs for m in s.decode_ms]
+    median, p90 = median_p90(ms)
     prompt = [s.prompt_ms for s in runs if s.prompt_ms is not None]
     iterations = sum(s.iterations for s in runs)
     tokens = sum(s.new_tokens for s in runs)
     seconds = sum(s.seconds for s in runs)
     row: dict[str, Any] = {
         "label": label,
-        "ms_per_iteration_median": statistics.median(ms),
-        "ms_per_iteration_p90": _p90(ms),
+        "ms_per_iteration_median": median,
+        "ms_per_iteration_p90": p90,
         "ms_per_iteration_mean": statistics.fmean(ms),
         "prompt_ms": statistics.median(prompt) if prompt else None,
         "tokens_per_second": tokens / seconds if seconds else 0.0,
@@ -263,10 +265,6 @@ def summarise(label: str, runs: Sequence[Any], offload: Sequence[dict] = ()) -> 
     if offload:
         row["offload"] = _offload_summary(list(offload))
     return row
-
-
-def _p90(values: list[float]) -> float:
-    return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
 
 
 def _offload_summary(per_run: list[dict]) -> dict[str, float]:

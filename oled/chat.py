@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from oled.decoding import DecodeConfig, GenerationStats
+from oled.decoding.decoder import median_p90
 from oled.launch import offload_stats
 from oled.runtime import Runtime, cache_home
 
@@ -100,7 +101,7 @@ def stats_lines(last: LastReply | None) -> list[str]:
     if last is None:
         return ["no reply yet"]
     s = last.stats
-    median, p90 = s.decode_median_p90()
+    median, p90 = median_p90(s.decode_ms)
     first = f"{1000 * last.first_block_s:.0f} ms" if last.first_block_s is not None else "n/a"
     off = last.offload or {}
     return [

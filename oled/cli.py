@@ -62,7 +62,9 @@ def generate(
 
 
 def print_stats(stats) -> None:
-    median, _ = stats.decode_median_p90()
+    from oled.decoding.decoder import median_p90
+
+    median, _ = median_p90(stats.decode_ms)
     err_console.print(
         f"[dim]{stats.new_tokens} tokens, {stats.iterations} forwards, "
         f"{stats.tokens_per_forward:.2f} tokens/forward, "

@@ -73,15 +73,9 @@ class GenerationStats:
 
     @property
     def decode_ms(self) -> list[float]:
-        """The forwards after the first: the steady decoding iterations."""
-        return self.iteration_ms[1:]
-
-    def decode_median_p90(self) -> tuple[float, float]:
-        """Median and p90 ms of the decode iterations (of every forward when there is only
-        one; 0 before any)."""
-        ms = self.decode_ms or self.iteration_ms or [0.0]
-        p90 = statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else ms[0]
-        return statistics.median(ms), p90
+        """The forwards after the first: the steady decoding iterations (the only forward
+        when there is one)."""
+        return self.iteration_ms[1:] or self.iteration_ms
 
     @property
     def ms_per_iteration(self) -> float:
@@ -104,6 +98,13 @@ class GenerationStats:
             "tokens_per_second": self.tokens_per_second,
             "finish_reason": self.stopped,
         }
+
+
+def median_p90(ms: Sequence[float]) -> tuple[float, float]:
+    """Median and p90 of some milliseconds (0 for none)."""
+    ms = list(ms) or [0.0]
+    p90 = statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else ms[0]
+    return statistics.median(ms), p90
 
 
 class BlockDecoder:
@@ -225,7 +226,7 @@ class BlockDecoder:
                     commit = _commit(conf, masked, cfg.threshold)  # [L] bool
                 else:
                     commit, forced = follow.at(self.stats.iterations, bl, tokens.device)
-                    agreed = agreed + ((tokens == forced) & commit).sum()
+                    agreed += ((tokens == forced) & commit).sum()
                     followed += commit.sum()
                     tokens = forced
                 seq[0, start:end] = torch.where(commit, tokens, seq[0, start:end])

@@ -5,7 +5,8 @@ A table pair is an expert's (or a slot's) w13 [S, 2I, H] and w2 [S, H, I] tables
 row copy goes to the CUDA runtime's cudaMemcpyAsync directly (about 4 µs of host time each on
 an H200 machine); through torch's copy_ one costs 6.5-9 µs there (operator dispatch, a
 pinned-memory check and an event for the host allocator), which the host path of a layer with
-many misses pays dozens of times (docs/performance.md, run 8). Where the runtime library cannot be found, or off CUDA, torch's `_foreach_copy_` does it.
+many misses pays dozens of times (docs/performance.md, run 8). Where the runtime library cannot
+be found, or off CUDA, torch's `_foreach_copy_` does it.
 The sources are pinned expert tables that live as long as the engine, so no allocator event is
 needed to keep them alive.
 """

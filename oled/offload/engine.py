@@ -28,7 +28,7 @@ from oled.model.stages import stage
 from oled.offload.copies import Rows, launch, transfer
 from oled.offload.metrics import EngineMetrics
 from oled.offload.planner import LayerPlan, Planner, Resize
-from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, Load, StepContext
+from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, StepContext
 
 HIT, COPIED, STAGED = 0, 1, 2  # rows of the per-layer expert -> slot maps; STAGED + round
 
@@ -66,7 +66,6 @@ class OffloadEngine(DecodeObserver):
         self._routing: list[tuple[np.ndarray, np.ndarray] | None] = [None] * layers
         self._events: list[tuple[int, torch.cuda.Event, ...]] = []
         self._timing = _EventPool()
-        self._copy_busy = 0.0  # when the copies queued so far should end (cost model)
         self._compute: torch.cuda.Stream | None = None  # the current layer call's stream
         self._routing_host: dict[int, tuple[Tensor, Tensor]] = {}  # pinned, per token count
         self._static_io: dict[tuple[int, int], tuple[MoERequest, Tensor]] = {}
@@ -135,7 +134,7 @@ class OffloadEngine(DecodeObserver):
         t1 = time.perf_counter()  # the layer's one sync is over
         self._routing[layer] = (ids_np, w_np)
         with stage("host decision"):
-            plan = self.planner.plan(layer, ids_np, w_np, self._load())
+            plan = self.planner.plan(layer, ids_np, w_np)  # queues empty: see _copy
             t2 = time.perf_counter()
             ready = self._copy(layer, plan)  # first: the copies are the longest path
             cpu_job = self._cpu_job(layer, r.x, ids_np, w_np, plan)
@@ -164,12 +163,6 @@ class OffloadEngine(DecodeObserver):
         transfer(host_w, weights, self._compute)
         self._compute.synchronize()
         return host_ids.numpy().copy(), host_w.numpy().copy()
-
-    def _load(self) -> Load:
-        """The queues a layer's plan starts from. CPU experts run within their layer call, so
-        the CPU queue is empty."""
-        now = 1000 * time.perf_counter()
-        return Load(copy_queue_ms=max(0.0, self._copy_busy - now))
 
     def _upload_maps(self, layer: int, plan: LayerPlan) -> Tensor:
         """expert -> slot for hits, for experts copied into the cache now, and for each round of
@@ -251,15 +244,12 @@ class OffloadEngine(DecodeObserver):
 
     def _copy(self, layer: int, plan: LayerPlan) -> torch.cuda.Event | None:
         """Launch the copies into cache slots on the copy stream; the event they complete
-        (None without copies or without a stream: on the CPU copies are synchronous)."""
-        n_copy = len(plan.copy_experts)
-        cost = self.planner.cost
-        now = 1000 * time.perf_counter()
-        n_moved = n_copy + len(plan.stage_experts)
-        if n_moved:
-            busy = cost.copy_fixed_ms + cost.copy_ms_per_expert * n_moved  # cost.copy_ms, cheaper
-            self._copy_busy = max(now, self._copy_busy) + busy
-        if not n_copy:
+        (None without copies or without a stream: on the CPU copies are synchronous). The
+        layer's passes wait for this event and for every staged round's copies, and the next
+        layer's routing sync waits for those passes, so no copy (and no CPU expert, computed
+        within the call) is still queued when the next layer is planned: the planner's `Load`
+        is empty."""
+        if not len(plan.copy_experts):
             return None
         begin = self._timing.record(self.copy_stream)
         self._launch_copies(layer, plan.copy_experts, plan.copy_slots, self._cache_rows[layer])

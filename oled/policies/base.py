@@ -88,6 +88,10 @@ class CostModel:
 
     def copy_ms(self, n_experts: int | np.ndarray) -> float | np.ndarray:
         """Time to copy n experts host->GPU back to back (0 for none)."""
+        if isinstance(n_experts, int):  # the planners' hot path: no array round trip
+            return (
+                self.copy_fixed_ms + self.copy_ms_per_expert * n_experts if n_experts > 0 else 0.0
+            )
         n = np.asarray(n_experts, dtype=np.float64)
         out = np.where(n > 0, self.copy_fixed_ms + self.copy_ms_per_expert * n, 0.0)
         return float(out) if out.ndim == 0 else out

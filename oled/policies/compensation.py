@@ -26,7 +26,7 @@ def best_split(
     left[0] = 0.0
     obj = cpu_cost[order].cumsum(out=left[1:])
     cpu_left = load.cpu_queue_ms + (obj[-1] - left)
-    copy_t = _copy_times(n, load.copy_queue_ms, cost)
+    copy_t = load.copy_queue_ms + cost.copy_ms(np.arange(n + 1))  # [n + 1] copy finish
     obj = np.maximum(copy_t, cpu_left)
     if future is not None:
         future[order].cumsum(out=left[1:])
@@ -44,18 +44,9 @@ def copying_all_is_best(cpu_cost: np.ndarray, load: Load, cost: CostModel) -> bo
     n = len(cpu_cost)
     if not n:
         return False
-    copy_all = load.copy_queue_ms + cost.copy_fixed_ms + n * cost.copy_ms_per_expert
+    copy_all = load.copy_queue_ms + cost.copy_ms(n)
     fastest = float(cpu_cost.min())
     return fastest > 0 and load.cpu_queue_ms + fastest > copy_all
-
-
-def _copy_times(n: int, queue_ms: float, cost: CostModel) -> np.ndarray:
-    """[n + 1] copy-engine finish time after copying 0..n experts."""
-    t = np.arange(n + 1, dtype=np.float64)
-    t *= cost.copy_ms_per_expert
-    t += queue_ms + cost.copy_fixed_ms
-    t[0] = queue_ms
-    return t
 
 
 class CooperativeCompensation(CompensationPolicy):
