@@ -275,8 +275,10 @@ def _offload_summary(per_run: list[dict]) -> dict[str, float]:
     out = {key: decode[key] for key in (
         "hit_rate", "cpu_share", "host_us_per_layer", "plan_us_per_layer", "sync_us_per_layer",
     )}  # fmt: skip
-    for key in ("copies", "copy_bytes", "cpu_experts", "stall_ms", "copy_ms"):
+    for key in ("copies", "copy_bytes", "cpu_experts", "stall_ms", "copy_ms", "predicted"):
         out[f"{key}_per_iteration"] = decode[key] / n
+    if decode["predicted"]:  # copied a layer ahead: the share that the layer then needed
+        out["predicted_used"] = decode["predicted_hits"] / decode["predicted"]
     if out["copy_ms_per_iteration"]:  # bytes over the copy stream's busy time
         out["copy_gb_per_s"] = out["copy_bytes_per_iteration"] / out["copy_ms_per_iteration"] / 1e6
     out["prompt_copies"] = _sum(per_run, "prompt")["copies"] / len(per_run)
@@ -323,6 +325,7 @@ def table(rows: list[dict[str, Any]]):
     cols = ["config", "ms/iter p50", "ms/iter p90", "prompt ms", "tokens/s", "tokens/fwd"]
     ratios = len(rows) > 1
     offload = any("offload" in r for r in rows)
+    ahead = any(r.get("offload", {}).get("predicted_per_iteration") for r in rows)
     cols += ["ms vs 1st", "same tokens"] * ratios
     cols += [
         "hit rate",
@@ -336,6 +339,7 @@ def table(rows: list[dict[str, Any]]):
         "plan µs/layer",
         "sync µs/layer",
     ] * offload
+    cols += ["ahead/it (used)"] * ahead
     for col in cols:
         out.add_column(col, justify="left" if col == "config" else "right")
     for r in rows:
@@ -358,6 +362,11 @@ def table(rows: list[dict[str, Any]]):
                       _fmt(o.get("host_us_per_layer"), "{:.0f}"),
                       _fmt(o.get("plan_us_per_layer"), "{:.0f}"),
                       _fmt(o.get("sync_us_per_layer"), "{:.0f}")]  # fmt: skip
+        if ahead:
+            used = o.get("predicted_used")
+            cells.append(
+                _fmt(o.get("predicted_per_iteration")) + (f" ({used:.0%})" if used else "")
+            )
         out.add_row(*cells)
     return out
 

@@ -103,10 +103,7 @@ def chat(
     err_console.print(f"[dim]loaded {rt.checkpoint.path} on {rt.device} "
                       f"in {time.perf_counter() - t0:.1f} s[/dim]")  # fmt: skip
     setup_readline()
-    try:
-        run_chat(ChatSession(runtime=rt, decode=spec.decode, system=system))
-    finally:
-        getattr(rt, "close", lambda: None)()
+    run_chat(ChatSession(runtime=rt, decode=spec.decode, system=system))
 
 
 def env(
@@ -198,7 +195,6 @@ def bench(
         err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed runs, "
                           f"prompt {cfg.prompt_length}, {cfg.gen_length} tokens[/dim]")  # fmt: skip
         rows.append(b.bench_runtime(rt, cfg, label, trajectory))
-        getattr(rt, "close", lambda: None)()
         del rt
         gc.collect()
     rows = b.with_ratios(rows)

@@ -105,6 +105,7 @@ class RuntimeSection(Strict):
     cpu_threads: int | None = Field(None, ge=1)
     budget: BudgetSection = Field(default_factory=lambda: BudgetSection(resident=True))
     stage_capacity: int | None = Field(None, ge=1)
+    prefetch: int = Field(0, ge=0)  # experts per MoE layer copied a layer ahead (0 = off)
     cost: str = "calibrate"  # "calibrate" or a cost profile name such as "h200"
     cuda_graphs: bool = True  # replay forwards as CUDA graphs on CUDA (the same tokens)
     kernels: Literal["auto", "triton", "torch"] = "auto"  # fused Triton kernels on CUDA
@@ -154,6 +155,7 @@ class WorkloadSection(Strict):
     warmup: int = Field(1, ge=0)
     repeats: int = Field(1, ge=1)
     chat: bool = True
+    follow: bool = False  # commit the all-resident model's tokens (Runtime.reference)
 
     @field_validator("prompts")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ from oled.model.presets import PRESETS, init_checkpoint
 from oled.offload.budget import Budget
 from oled.offload.engine import OffloadEngine
 from oled.offload.planner import Planner
+from oled.offload.predict import NextLayerRouting
 from oled.policies.base import AllocationPolicy, CompensationPolicy, CostModel, RetentionPolicy
 
 DTYPES = {
@@ -194,26 +196,44 @@ class Runtime:
         """The last generation's decoding statistics and, when offloading, the engine's."""
         return self.last_stats.to_dict() | (self.offload_summary() or RESIDENT_SUMMARY)
 
-    def close(self) -> None:
-        """Stop worker threads (an offloading runtime has a CPU expert worker)."""
-        closer = getattr(self.executor, "close", None)
-        if closer is not None:
-            closer()
-
     def generate(
         self,
         prompt: str | Sequence[dict[str, str]],
         *,
         chat: bool = True,
         decode: DecodeConfig | None = None,
+        follow: Trajectory | None = None,
+        observers: Sequence[DecodeObserver] = (),
         **overrides,
     ) -> Generation:
-        """Decode a whole answer; keyword overrides replace fields of the decode config."""
+        """Decode a whole answer; keyword overrides replace fields of the decode config. With
+        `follow`, commit what that recorded generation committed (see `reference`)."""
         cfg = replace(decode or self.decode, **overrides)
         ids: list[int] = []
-        for block in self.stream(self.prompt_ids(prompt, chat=chat), decode=cfg):
+        prompt_ids = self.prompt_ids(prompt, chat=chat)
+        for block in self.stream(prompt_ids, decode=cfg, observers=observers, follow=follow):
             ids += block.new_tokens
         return Generation(text=self.tokenizer.decode(ids), token_ids=ids, stats=self.last_stats)
+
+    def reference(
+        self,
+        prompt: str | Sequence[dict[str, str]],
+        *,
+        chat: bool = True,
+        decode: DecodeConfig | None = None,
+        **overrides,
+    ) -> Trajectory:
+        """The commits of a generation of `prompt` with every expert computed on the device:
+        the all-resident model's tokens, bit for bit, whatever the policies and budget. Runs
+        that follow it (`generate(..., follow=)`) do the same work, so runs with CPU experts
+        (which agree with the device only to a tolerance) compare like for like."""
+        trajectory = Trajectory()
+        planner = getattr(self.executor, "planner", None)
+        on_device = planner.all_on_device() if planner is not None else contextlib.nullcontext()
+        with on_device:
+            self.generate(prompt, chat=chat, decode=decode, observers=[trajectory], **overrides)
+        trajectory.prompt = tuple(self.prompt_ids(prompt, chat=chat))
+        return trajectory
 
 
 def build_runtime(
@@ -228,6 +248,7 @@ def build_runtime(
     cost: CostModel | str = "calibrate",
     cpu_threads: int | None = None,
     stage_capacity: int = 8,
+    prefetch: int = 0,
     kv_tokens: int = 4096,
     decode: DecodeConfig | None = None,
     progress: bool = False,
@@ -239,7 +260,9 @@ def build_runtime(
     The budget is checked against the config before any weight is read, so a budget that is too
     small fails at once with the minimum it needs. On CUDA, forwards replay as CUDA graphs
     unless `graphs` is False (the same tokens either way), and the hot stages run as fused
-    Triton kernels unless `kernels` is "torch" (oled.kernels).
+    Triton kernels unless `kernels` is "torch" (oled.kernels). `prefetch` > 0 copies up to
+    that many experts per MoE layer a layer ahead, from the next layer's predicted routing
+    (oled.offload.predict).
     """
     from oled.model.config import ModelConfig
     from oled.offload.budget import total_slots
@@ -271,17 +294,32 @@ def build_runtime(
             kernels=kernels,
         )  # fmt: skip
     planner = make_planner(
-        ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost
+        ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost, prefetch
     )
-    engine = OffloadEngine(store=ckpt.experts, device=dev, planner=planner)
+    engine = make_engine(ckpt, dev, planner)
     return Runtime(
         checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine],
         graphs=graphs, kernels=kernels,
     )  # fmt: skip
 
 
+def make_engine(ckpt: Checkpoint, dev: torch.device, planner: Planner) -> OffloadEngine:
+    """The offload engine over the checkpoint's experts, with the next layer's routing
+    predicted from the model's routers when the planner prefetches."""
+    predict = NextLayerRouting(ckpt.model) if planner.prefetch_limit else None
+    return OffloadEngine(store=ckpt.experts, device=dev, planner=planner, predict=predict)
+
+
 def make_planner(
-    ckpt: Checkpoint, dev, slots, stage_capacity, allocation, retention, compensation, cost
+    ckpt: Checkpoint,
+    dev,
+    slots,
+    stage_capacity,
+    allocation,
+    retention,
+    compensation,
+    cost,
+    prefetch: int = 0,
 ) -> Planner:
     """A planner with the given policies; OLED's own where one is not given."""
     from oled.policies import with_oled_defaults
@@ -300,6 +338,7 @@ def make_planner(
         top_k=cfg.num_experts_per_tok,
         total_slots=slots,
         stage_capacity=stage_capacity,
+        prefetch_limit=prefetch,
         cost=cost,
         **with_oled_defaults(allocation=allocation, retention=retention, compensation=compensation),
     )

@@ -34,6 +34,12 @@ def tiny_single_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test starts from the same global random state, whichever tests ran before it."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def _oled_home(tmp_path_factory, monkeypatch):
     """Built-in models go to a per-session directory, not the user's cache."""
     monkeypatch.setenv("OLED_HOME", str(tmp_path_factory.getbasetemp() / "oled-home"))

@@ -40,11 +40,10 @@ from oled.model.checkpoint import load_checkpoint  # noqa: E402
 from oled.model.experts import ResidentExperts  # noqa: E402
 from oled.model.presets import init_checkpoint  # noqa: E402
 from oled.offload.budget import Budget, total_slots  # noqa: E402
-from oled.offload.engine import OffloadEngine  # noqa: E402
 from oled.policies import ANCHORS, anchor_policies  # noqa: E402
 from oled.policies import allocation as A  # noqa: E402
 from oled.policies import compensation as C  # noqa: E402
-from oled.runtime import Runtime, make_planner  # noqa: E402
+from oled.runtime import Runtime, make_engine, make_planner  # noqa: E402
 
 CONFIGS = {
     **{name: lambda name=name: anchor_policies(name) for name in ANCHORS},
@@ -79,6 +78,16 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.5,0.25,0.125")
     ap.add_argument("--configs", default="all", help=f"comma-separated of: {', '.join(CONFIGS)}")
     ap.add_argument(
+        "--prefetch", default="0", help="comma-separated experts per layer copied ahead (0 = off)"
+    )
+    ap.add_argument(
+        "--ahead-from",
+        choices=["model", "recorded"],
+        default="model",
+        help="predict the next layer's routing with its router (model), or read it from a trace "
+        "of the followed generation (recorded: a perfect prediction, the bound)",
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="device time per stage (rows with graphs)"
     )
     ap.add_argument("--report-dir", default="reports")
@@ -109,6 +118,9 @@ def main() -> None:
     rows = []
     # every row at the main prompt length commits the first row's tokens: the same work
     trajectory = Trajectory() if args.follow else None
+    if args.ahead_from == "recorded" and trajectory is None:
+        ap.error("--ahead-from recorded needs rows that follow one trajectory (no --no-follow)")
+    oracle = None  # RecordedRouting of the followed generation, with --ahead-from recorded
     kernel_modes = {"auto": ["auto"], "torch": ["torch"], "both": ["auto", "torch"]}[args.kernels]
     for kernels, graphs in [(k, g) for k in kernel_modes for g in (True, False)]:
         rt = Runtime(checkpoint=ckpt, device=dev, executor=resident, decode=decode, graphs=graphs,
@@ -126,6 +138,8 @@ def main() -> None:
             from oled.trace.commands import record_trace
 
             record_trace(rt, [random_prompt(rt, cfg.prompt_length, cfg.seed)], Path(args.trace))
+        if args.ahead_from == "recorded" and not graphs and oracle is None:
+            oracle = recorded_routing(rt, cfg, decode, trajectory)
         print(f"done: resident {mode}", flush=True)
         del rt
     del resident
@@ -135,18 +149,26 @@ def main() -> None:
     for frac in [float(f) for f in args.budgets.split(",") if f]:
         budget = Budget("expert_fraction", frac)
         slots = total_slots(budget, ckpt.config, dtype=torch.bfloat16, device=dev)
-        for name, graphs, kernels in [
-            (n, g, k) for n in names for g in modes for k in kernel_modes
+        ahead = [int(n) for n in args.prefetch.split(",")]
+        for name, graphs, kernels, prefetch in [
+            (n, g, k, a) for n in names for g in modes for k in kernel_modes for a in ahead
         ]:
             p = CONFIGS[name]()
             use_kernels(kernels)  # the cost calibration times the kernels the row runs
             planner = make_planner(
-                ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], args.cost
-            )
-            engine = OffloadEngine(store=ckpt.experts, device=dev, planner=planner)
+                ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], args.cost,
+                prefetch,
+            )  # fmt: skip
+            engine = make_engine(ckpt, dev, planner)
+            observers = [engine]
+            if prefetch and oracle is not None:
+                engine.predict = oracle
+                observers.append(oracle)
             rt = Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=decode,
-                         observers=[engine], graphs=graphs, kernels=kernels)  # fmt: skip
+                         observers=observers, graphs=graphs, kernels=kernels)  # fmt: skip
             label = f"{name} @ {frac:g}" + ("" if graphs else " eager") + suffix(kernels)
+            label += f" ahead {prefetch}" if prefetch else ""
+            label += " recorded" if prefetch and oracle is not None else ""
             rows.append(
                 bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), label, trajectory)
             )
@@ -164,6 +186,22 @@ def main() -> None:
         console.print(stage_table(rows))
         console.print(host_table(rows))
     print(f"report: {write_report(Path(args.report_dir), cfg, rows, str(dev))}")
+
+
+def recorded_routing(rt: Runtime, cfg: BenchConfig, decode, trajectory: Trajectory):
+    """The routing of one generation that follows `trajectory`, as a perfect prediction."""
+    from oled.offload.predict import RecordedRouting
+    from oled.trace.commands import recording
+
+    recorder, observer, remove = recording(rt)
+    prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
+    try:
+        for _ in rt.stream(prompt, decode=bench_decode(rt, cfg), observers=[observer],
+                           follow=trajectory):  # fmt: skip
+            pass
+    finally:
+        remove()
+    return RecordedRouting(recorder.build())
 
 
 def suffix(kernels: str) -> str:

@@ -97,13 +97,16 @@ class GenerationStats:
             "ms_per_iteration": self.ms_per_iteration,
             "tokens_per_second": self.tokens_per_second,
             "finish_reason": self.stopped,
+            "followed": self.followed,
+            "agreed": self.agreed,
         }
 
 
 def median_p90(ms: Sequence[float]) -> tuple[float, float]:
-    """Median and p90 of some milliseconds (0 for none)."""
+    """Median and p90 (interpolated linearly between the samples) of some milliseconds (0 for
+    none): the one definition that `oled bench`, `oled run`, `oled generate` and the chat use."""
     ms = list(ms) or [0.0]
-    p90 = statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else ms[0]
+    p90 = statistics.quantiles(ms, n=10, method="inclusive")[-1] if len(ms) > 1 else ms[0]
     return statistics.median(ms), p90
 
 

@@ -45,6 +45,7 @@ def build(recipe: Recipe, *, graphs: bool = True, kernels: str | None = None) ->
         budget=build_budget(rt.budget),
         cost=rt.cost,
         cpu_threads=rt.cpu_threads,
+        prefetch=rt.prefetch,
         decode=DecodeConfig(**recipe.decoding.model_dump()),
         graphs=graphs and rt.cuda_graphs,
         kernels=kernels or rt.kernels,

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from oled.decoding.decoder import median_p90
+
 Stats = dict[str, Any]  # one generation's stats dict (keys agreed with the runtime)
 
 
@@ -14,15 +16,9 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+def median_and_p90(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """Median and p90 (oled.decoding.decoder.median_p90); None for no values."""
+    return median_p90(values) if values else (None, None)
 
 
 def _total(generations: Sequence[Stats], key: str) -> float:
@@ -66,6 +62,7 @@ def summarize(generations: Sequence[Stats]) -> dict[str, Any]:
     hits, misses = _total(generations, "hits"), _total(generations, "misses")
     cpu, gpu = _total(generations, "cpu_experts"), _total(generations, "gpu_experts")
     copy_gb = _total(generations, "copy_bytes") / 1e9
+    median, p90 = median_and_p90(iteration_ms)
     return {
         "generations": len(generations),
         "tokens": int(tokens),
@@ -73,9 +70,9 @@ def summarize(generations: Sequence[Stats]) -> dict[str, Any]:
         "seconds": seconds,
         "ms_per_token": _ratio(1000 * seconds, tokens),
         "tokens_per_second": _ratio(tokens, seconds),
-        "ms_per_iteration": percentile(iteration_ms, 50),
-        "ms_per_iteration_p90": percentile(iteration_ms, 90),
-        "prompt_ms": percentile(prompt_ms, 50),
+        "ms_per_iteration": median,
+        "ms_per_iteration_p90": p90,
+        "prompt_ms": median_and_p90(prompt_ms)[0],
         "tokens_per_forward": _ratio(tokens, iterations),
         "hit_rate": _ratio(hits, hits + misses),
         "copies": _reported(generations, "copies", int(_total(generations, "copies"))),
@@ -88,6 +85,8 @@ def summarize(generations: Sequence[Stats]) -> dict[str, Any]:
         "cpu_share": _ratio(cpu, cpu + gpu),
         "stall_ms": _reported(generations, "stall_ms", _total(generations, "stall_ms")),
         "stall_ms_per_iteration": _ratio(_decode(generations, "stall_ms"), decode_iterations),
+        # following a reference: how often the run's own choice was the committed token
+        "agreement": _ratio(_total(generations, "agreed"), _total(generations, "followed")),
     }
 
 
@@ -103,6 +102,7 @@ SUMMARY_ROWS = [  # (key, label, format)
     ("copy_gb", "copy GB", "{:.3f}"),
     ("cpu_share", "CPU share of expert work", "{:.1%}"),
     ("stall_ms", "stall ms (total)", "{:.1f}"),
+    ("agreement", "own choices = reference tokens", "{:.1%}"),
 ]
 
 

@@ -37,33 +37,43 @@ class RunResult:
     run_id: str | None  # MLflow run id (None when tracking is off)
 
 
-def generate(runtime: Any, prompt: Prompt, chat: bool) -> Stats:
-    """One generation; its stats dict (`runtime.stats()`)."""
+def prompt_input(prompt: Prompt, chat: bool) -> str | list[dict[str, str]]:
+    """What the runtime decodes for `prompt`: its messages (chat) or its plain text."""
     if chat:
-        runtime.generate(prompt.as_messages(), chat=True)
-    else:
-        text = prompt.prompt if prompt.prompt is not None else prompt.as_messages()[-1]["content"]
-        runtime.generate(text, chat=False)
+        return prompt.as_messages()
+    return prompt.prompt if prompt.prompt is not None else prompt.as_messages()[-1]["content"]
+
+
+def generate(runtime: Any, prompt: Prompt, chat: bool, follow: Any = None) -> Stats:
+    """One generation (committing `follow`'s tokens when given); its stats dict."""
+    runtime.generate(prompt_input(prompt, chat), chat=chat, follow=follow)
     return dict(runtime.stats())
 
 
 def run_workload(
     runtime: Any, recipe: Recipe, prompts: Sequence[Prompt], console: Console | None = None
 ) -> list[Stats]:
-    """Warm-up generations (untimed), then `repeats` passes over the prompts; their stats."""
+    """With `workload.follow`, first each prompt's reference (every expert on the device:
+    Runtime.reference), which the later generations follow; then warm-up generations
+    (untimed) and `repeats` timed passes over the prompts; the timed ones' stats."""
     wl = recipe.workload
     timed: list[Stats] = []
-    total = wl.warmup + wl.repeats * len(prompts)
+    total = len(prompts) * wl.follow + wl.warmup + wl.repeats * len(prompts)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("warm-up", total=total)
+        task = bar.add_task("reference" if wl.follow else "warm-up", total=total)
+        follow = [None] * len(prompts)
+        for i, prompt in enumerate(prompts if wl.follow else []):
+            follow[i] = runtime.reference(prompt_input(prompt, wl.chat), chat=wl.chat)
+            bar.advance(task)
+        bar.update(task, description="warm-up")
         for i in range(wl.warmup):
-            generate(runtime, prompts[i % len(prompts)], wl.chat)
+            generate(runtime, prompts[i % len(prompts)], wl.chat, follow[i % len(prompts)])
             bar.advance(task)
         bar.update(task, description="generate")
         for _ in range(wl.repeats):
-            for prompt in prompts:
-                timed.append(generate(runtime, prompt, wl.chat))
+            for prompt, reference in zip(prompts, follow, strict=True):
+                timed.append(generate(runtime, prompt, wl.chat, reference))
                 bar.advance(task)
     return timed
 
@@ -127,10 +137,7 @@ def run_experiment(
         start = time.perf_counter()
         runtime = factory(recipe)
         tracker.set_tags({"oled.runtime_device": getattr(runtime, "device", None)})
-        try:
-            generations = run_workload(runtime, recipe, prompts, console)
-        finally:
-            getattr(runtime, "close", lambda: None)()
+        generations = run_workload(runtime, recipe, prompts, console)
         report = make_report(recipe, generations, time.perf_counter() - start)
         directory = report_dir(recipe)
         files = write_report(report, directory)

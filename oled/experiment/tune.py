@@ -54,10 +54,7 @@ def run_objective(recipe: Recipe) -> dict[str, float]:
     base = recipe.path.parent if recipe.path else None
     prompts = load_prompts(recipe.workload.prompts, base)
     runtime = build(recipe)
-    try:
-        summary = summarize(run_workload(runtime, recipe, prompts))
-    finally:
-        getattr(runtime, "close", lambda: None)()
+    summary = summarize(run_workload(runtime, recipe, prompts))
     return {k: float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
 

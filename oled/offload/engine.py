@@ -2,18 +2,20 @@
 CPU experts on the host while the device works, all computing exactly the function of the
 all-resident model.
 
-Per MoE layer call (the host decision path): routing ids and weights go to the host in one
-transfer (the layer's one device-to-host sync), the planner decides hits, copies, staged copies
-and CPU experts, copies are launched on the copy stream, the CPU experts' activations start for
-pinned host memory, hits are computed by a grouped GEMM over the slot table, the copied experts
-after their copy event; once all of that is queued, the host computes the CPU experts, and their
-results are added into the same [T, K, H] pair buffer before the top-k sum, so the summation
-order never depends on where a pair was computed.
+Per MoE layer call (the host decision path): routing ids and weights go to the host in one transfer
+(the layer's one device-to-host sync; with copies ahead, the next layer's predicted routing goes
+with them), the planner decides hits, copies, staged copies and CPU experts, copies are launched on
+the copy stream, then the copies ahead into the next layer's cache (oled.offload.predict), the CPU
+experts' activations start for pinned host memory, hits are computed by a grouped GEMM over the slot
+table, the copied experts after their copy event; once all of that is queued, the host computes the
+CPU experts, and their results are added into the same [T, K, H] pair buffer before the top-k sum,
+so the summation order never depends on where a pair was computed.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,8 +38,19 @@ HIT, COPIED, STAGED = 0, 1, 2  # rows of the per-layer expert -> slot maps; STAG
 class OffloadEngine(DecodeObserver):
     """An expert executor over fixed per-layer slot tables, driven by a Planner."""
 
-    def __init__(self, *, store: ExpertStore, device: torch.device, planner: Planner) -> None:
+    def __init__(
+        self,
+        *,
+        store: ExpertStore,
+        device: torch.device,
+        planner: Planner,
+        predict: Callable[[int, Tensor], Tensor | np.ndarray] | None = None,
+    ) -> None:
+        """`predict(layer, x)`: the next MoE layer's likely ids [T, K] from layer's router input
+        x [T, H] (oled.offload.predict: NextLayerRouting, or RecordedRouting on the host);
+        used when the planner prefetches."""
         self.store, self.device, self.planner = store, device, planner
+        self.predict = predict if planner.prefetch_limit else None
         self.cuda = device.type == "cuda"
         self.num_experts = store.num_experts
         dtype = store.w13[0].dtype
@@ -67,8 +80,10 @@ class OffloadEngine(DecodeObserver):
         self._events: list[tuple[int, torch.cuda.Event, ...]] = []
         self._timing = _EventPool()
         self._compute: torch.cuda.Stream | None = None  # the current layer call's stream
-        self._routing_host: dict[int, tuple[Tensor, Tensor]] = {}  # pinned, per token count
+        self._routing_host: dict[tuple[int, int], tuple[Tensor, ...]] = {}  # pinned, per shape
         self._static_io: dict[tuple[int, int], tuple[MoERequest, Tensor]] = {}
+        self._predicted: dict[tuple[int, int], Tensor] = {}  # static predicted ids [T, K]
+        self._ahead: list[torch.cuda.Event | None] = [None] * layers  # copies ahead, per layer
         self.graphs = Graphs() if self.cuda else None  # the GPU passes of static layer calls
         self._prefill()
 
@@ -130,13 +145,16 @@ class OffloadEngine(DecodeObserver):
         # the stream this layer computes on, looked up once (each lookup costs the hot path)
         self._compute = torch.cuda.current_stream(self.device) if self.cuda else None
         with stage("routing to host"):
-            ids_np, w_np = self._routing_to_host(r)  # [T, K] int64, [T, K] fp32
+            predicted = self._predict(r, into is not None)  # [T, K] of layer + 1, or None
+            ids_np, w_np, next_np = self._routing_to_host(r, predicted)  # [T, K] each
         t1 = time.perf_counter()  # the layer's one sync is over
         self._routing[layer] = (ids_np, w_np)
         with stage("host decision"):
             plan = self.planner.plan(layer, ids_np, w_np)  # queues empty: see _copy
             t2 = time.perf_counter()
             ready = self._copy(layer, plan)  # first: the copies are the longest path
+            if next_np is not None:
+                self._copy_ahead(layer + 1, next_np)
             cpu_job = self._cpu_job(layer, r.x, ids_np, w_np, plan)
             maps = self._upload_maps(layer, plan)  # [rows, E] on the device
         with stage("grouped GEMM"):
@@ -147,22 +165,57 @@ class OffloadEngine(DecodeObserver):
                 self._cpu_pairs(cpu_job, pairs, t2)
         return pairs
 
-    def _routing_to_host(self, r: MoERequest) -> tuple[np.ndarray, np.ndarray]:
-        """The layer's one sync: ids [T, K] int64 and weights [T, K] fp32 as numpy arrays of
-        their own. On CUDA both go straight into pinned buffers (two copies, no kernels)."""
+    def _routing_to_host(
+        self, r: MoERequest, predicted: Tensor | np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The layer's one sync: ids [T, K] int64, weights [T, K] fp32 and the next layer's
+        predicted ids [T, K] int64 (None without; passed through when already on the host) as
+        numpy arrays of their own. On CUDA they go straight into pinned buffers (one copy
+        each, no kernels)."""
         ids, weights = r.ids.to(torch.long).contiguous(), r.weights.float().contiguous()
+        if not isinstance(predicted, Tensor):
+            ids_np, w_np = self._to_host([ids, weights])
+            return ids_np, w_np, predicted
+        ids_np, w_np, predicted_np = self._to_host([ids, weights, predicted])
+        return ids_np, w_np, predicted_np
+
+    def _to_host(self, sources: list[Tensor]) -> list[np.ndarray]:
+        """Device tensors [T, K] as numpy arrays of their own, after one sync (through
+        pinned buffers on CUDA, kept per shape)."""
         if not self.cuda:
-            return ids.numpy().copy(), weights.numpy().copy()
-        t = ids.shape[0]
-        if t not in self._routing_host:
-            self._routing_host[t] = tuple(
-                torch.empty(a.shape, dtype=a.dtype, pin_memory=True) for a in (ids, weights)
+            return [a.numpy().copy() for a in sources]
+        key = (sources[0].shape[0], len(sources))
+        if key not in self._routing_host:
+            self._routing_host[key] = tuple(
+                torch.empty(a.shape, dtype=a.dtype, pin_memory=True) for a in sources
             )
-        host_ids, host_w = self._routing_host[t]
-        transfer(host_ids, ids, self._compute)
-        transfer(host_w, weights, self._compute)
+        buffers = self._routing_host[key]
+        for host, dev in zip(buffers, sources, strict=True):
+            transfer(host, dev, self._compute)
         self._compute.synchronize()
-        return host_ids.numpy().copy(), host_w.numpy().copy()
+        return [host.numpy().copy() for host in buffers]
+
+    def _predict(self, r: MoERequest, static: bool) -> Tensor | np.ndarray | None:
+        """The next layer's predicted ids [T, K] int64 on the device, queued before the sync;
+        None when not prefetching, at the last layer, or when the planner has no use for it
+        (oled.offload.planner.CopyAhead); on the host when the predictor has it there. In the
+        static path the prediction replays as a CUDA graph from its second call (the first
+        loads the router's kernels)."""
+        if self.predict is None or r.layer + 1 >= len(self.w13):
+            return None
+        if not self.planner.predicts(r.layer + 1):
+            return None
+        if getattr(self.predict, "on_host", False):  # already known (RecordedRouting)
+            return self.predict(r.layer, r.x)
+        if not static or self.graphs is None:
+            return self.predict(r.layer, r.x).to(torch.long)
+        key = (r.layer, r.x.shape[0])
+        out = self._predicted.get(key)
+        if out is None:
+            out = self._predicted[key] = self.predict(r.layer, r.x).to(torch.long)
+            return out
+        self.graphs.run((*key, "predict"), lambda: out.copy_(self.predict(r.layer, r.x)))
+        return out
 
     def _upload_maps(self, layer: int, plan: LayerPlan) -> Tensor:
         """expert -> slot for hits, for experts copied into the cache now, and for each round of
@@ -188,17 +241,24 @@ class OffloadEngine(DecodeObserver):
         With a static `into`, every slot-table pass replays as a CUDA graph."""
         static = into is not None and self.graphs is not None
         tables = (self.w13[r.layer], self.w2[r.layer])
+        ahead, self._ahead[r.layer] = self._ahead[r.layer], None
+        if ahead is not None:  # hits may be experts copied ahead at the previous layer
+            self._wait(r.layer, ahead)
         pairs = self._pass(r, HIT, maps, tables, into, static)
         if len(plan.copy_experts):
             if ready is not None:  # wait for this layer's copies only now, after the hits
-                stream = self._compute
-                start = self._timing.record(stream)
-                stream.wait_event(ready)
-                self._events.append((r.layer, start, self._timing.record(stream)))
+                self._wait(r.layer, ready)
             self._pass(r, COPIED, maps, tables, pairs, static)
         if len(plan.stage_experts):
             self._staged(r, maps, plan, pairs, static)
         return pairs
+
+    def _wait(self, layer: int, copied: torch.cuda.Event) -> None:
+        """The compute stream waits for copies' event; the wait is timed as the layer's stall."""
+        stream = self._compute
+        start = self._timing.record(stream)
+        stream.wait_event(copied)
+        self._events.append((layer, start, self._timing.record(stream)))
 
     def _pass(self, r: MoERequest, row: int, maps: Tensor, tables: tuple[Tensor, Tensor],
               into: Tensor | None, static: bool) -> Tensor:  # fmt: skip
@@ -258,6 +318,20 @@ class OffloadEngine(DecodeObserver):
             self._events.append((layer, begin, done, "copy"))
         return done
 
+    def _copy_ahead(self, layer: int, predicted: np.ndarray) -> None:
+        """Copy into `layer`'s cache what its predicted routing [T, K] names and the cache lacks
+        (Planner.prefetch), after the current layer's copies; `layer`'s passes wait for them."""
+        experts, slots = self.planner.prefetch(layer, predicted)
+        if not len(experts):
+            return
+        begin = self._timing.record(self.copy_stream)
+        self._launch_copies(layer, experts, slots, self._cache_rows[layer])
+        if begin is not None:
+            self._ahead[layer] = done = self._timing.record(self.copy_stream)
+            self._events.append((layer, begin, done, "copy"))
+        n = len(experts)
+        self.metrics.add(layer, copies=n, copy_bytes=n * self.store.expert_bytes, predicted=n)
+
     def _launch_copies(self, layer: int, experts, slots, rows: Rows) -> None:
         """One copy per tensor of each expert, host (pinned) -> slot rows of `rows` (a w13
         table and its w2 table), on the copy stream (oled.offload.copies)."""
@@ -316,6 +390,7 @@ class OffloadEngine(DecodeObserver):
             cpu_experts=len(plan.cpu_experts),
             cpu_tokens=int(plan.cpu_tokens.sum()),
             gpu_experts=len(plan.gpu_experts) + len(plan.stage_experts),
+            predicted_hits=plan.predicted_hits,
             sync_ms=1000 * sync_s,
             plan_ms=1000 * plan_s,
             host_ms=1000 * host_s,
@@ -369,6 +444,7 @@ class OffloadEngine(DecodeObserver):
             self.metrics.add(layer, **({"copy_ms": ms} if kind else {"stall_ms": ms}))
         self._events.clear()
         self._stage_free = None  # both streams are idle: the stage is free
+        self._ahead = [None] * len(self._ahead)
         self._timing.recycle()
 
 

@@ -7,6 +7,7 @@ import numpy as np
 FIELDS = (
     "hits", "misses", "copies", "copy_bytes", "staged", "cpu_experts", "cpu_tokens",
     "gpu_experts", "stall_ms", "copy_ms", "cpu_ms", "sync_ms", "plan_ms", "host_ms", "calls",
+    "predicted", "predicted_hits",
 )  # fmt: skip
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
@@ -20,7 +21,9 @@ class EngineMetrics:
     for the routing to reach the host (the layer's one sync, which also waits for the GPU work
     queued before it); host_ms the host decision path after it (planning, launching copies,
     compute and CPU experts), plan_ms the planner's part of it (the policies' decisions);
-    calls the layer calls.
+    calls the layer calls; predicted the copies made a layer ahead from the predicted routing
+    (also in copies, counted for the layer they fill), predicted_hits those the layer then
+    needed.
 
     `summary` gives the figures over all forwards, and apart for the generation's first forward
     ("prompt": it runs the prompt's tokens, so it misses most experts) and the rest ("decode").

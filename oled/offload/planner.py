@@ -7,6 +7,8 @@ and updates the layer's slot maps. Layers are MoE-layer indices in [0, num_layer
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +77,7 @@ class LayerPlan:
     hits: np.ndarray
     misses: np.ndarray
     evicted: np.ndarray  # experts dropped from the cache by this plan's copies
+    predicted_hits: int = 0  # needed experts that were copied ahead for this forward
 
 
 @dataclass
@@ -88,7 +91,7 @@ class Resize:
 
 _COUNTERS = (
     "plans", "requests", "hits", "misses", "copies", "prefetches",
-    "staged", "cpu_experts", "cpu_tokens", "evictions",
+    "staged", "cpu_experts", "cpu_tokens", "evictions", "predicted", "predicted_hits",
 )  # fmt: skip
 
 
@@ -97,7 +100,8 @@ class PlannerStats:
 
     plans, requests (distinct experts needed), hits, misses, copies (into cache slots, incl.
     prefetches), prefetches (copies of experts that forward did not need), staged, cpu_experts,
-    cpu_tokens, evictions.
+    cpu_tokens, evictions, predicted (copies a layer ahead from the predicted routing: also
+    in copies), predicted_hits (of those, experts the forward then needed).
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -124,6 +128,44 @@ class PlannerStats:
         return {n: getattr(self, n).tolist() for n in _COUNTERS}
 
 
+class CopyAhead:
+    """Per layer, whether copies ahead from the predicted routing pay: an EMA of the share of a
+    layer's predicted experts that the layer then needed. Below `min_use` a layer copies
+    nothing ahead and predicts only every `probe`-th forward, to score the prediction anew."""
+
+    def __init__(
+        self, num_layers: int, limit: int, *, min_use: float = 0.5, probe: int = 8,
+        alpha: float = 0.2,
+    ) -> None:  # fmt: skip
+        if limit < 0:
+            raise ValueError(f"prefetch_limit must be >= 0, got {limit}")
+        self.limit, self.min_use, self.probe, self.alpha = limit, min_use, probe, alpha
+        self.use = [1.0] * num_layers  # starts by copying ahead
+        self._pending: list[np.ndarray | None] = [None] * num_layers  # predicted, not scored
+        self._copied = [False] * num_layers
+
+    def predicts(self, layer: int, step: int) -> bool:
+        """Whether `layer`'s routing is to be predicted in forward `step`."""
+        return self.limit > 0 and (self.copies(layer) or step % self.probe == 0)
+
+    def copies(self, layer: int) -> bool:
+        return self.use[layer] >= self.min_use
+
+    def remember(self, layer: int, experts: np.ndarray, *, copied: bool) -> None:
+        """The layer's predicted misses (copied ahead or only scored)."""
+        self._pending[layer], self._copied[layer] = experts, copied
+
+    def score(self, layer: int, used: np.ndarray) -> int:
+        """Score the pending prediction against the experts the layer needs (`used` [E]); the
+        needed ones among those copied ahead (0 when nothing was copied)."""
+        ahead, self._pending[layer] = self._pending[layer], None
+        if ahead is None or not len(ahead):
+            return 0
+        hits = int(np.count_nonzero(used[ahead]))
+        self.use[layer] += self.alpha * (hits / len(ahead) - self.use[layer])
+        return hits if self._copied[layer] else 0
+
+
 class Planner:
     """Per-layer hit/miss planning over fixed-slot expert caches."""
 
@@ -140,6 +182,7 @@ class Planner:
         compensation: CompensationPolicy,
         cost: CostModel,
         stats_alpha: float = 0.2,
+        prefetch_limit: int = 0,
     ) -> None:
         if total_slots < num_layers:
             raise ValueError(
@@ -151,11 +194,14 @@ class Planner:
         if stage_capacity < 0:
             raise ValueError(f"stage_capacity must be >= 0, got {stage_capacity}")
         self.stage_capacity = stage_capacity
+        self.prefetch_limit = prefetch_limit  # experts per layer copied ahead (0 = none)
+        self.ahead = CopyAhead(num_layers, prefetch_limit, alpha=stats_alpha)
         self.allocation, self.retention, self.compensation = allocation, retention, compensation
         self.cost = cost
         self.stats_alpha = stats_alpha
         self.step = 0
         self.block = 0
+        self.gpu_only = False  # every miss copied, whatever the compensation says
         self.stats = PlannerStats(num_layers)
         self._ws = [0.0] * num_layers  # EMA of distinct experts per forward (plain floats: cheap)
         self._reuse = [0.0] * num_layers  # EMA of overlap with the previous forward
@@ -206,6 +252,7 @@ class Planner:
 
     def _resize(self, layer: int, capacity: int) -> Resize:
         old = self.caches[layer]
+        self.ahead.remember(layer, _EMPTY, copied=False)
         cached = old.cached()
         if len(cached) > capacity:
             drop = self.retention.victims(layer, cached, len(cached) - capacity)
@@ -225,6 +272,16 @@ class Planner:
         return Resize(layer=layer, capacity=capacity, keep=keep)
 
     # -- per forward ------------------------------------------------------------------------
+
+    @contextmanager
+    def all_on_device(self) -> Iterator[None]:
+        """Within: every miss is copied (no CPU experts), so the engine computes what the
+        all-resident model does, bit for bit."""
+        before, self.gpu_only = self.gpu_only, True
+        try:
+            yield
+        finally:
+            self.gpu_only = before
 
     def begin_step(self, *, step: int, block: int) -> None:
         """Optional: name the forward about to run (else inferred from `observe`)."""
@@ -271,22 +328,13 @@ class Planner:
         prefetch, protect, want, want_reuse, cpu = self._decide(layer, counts, used, misses, load)
 
         # Cache slots: free ones first, then victims (cached, not needed, not refresh targets).
-        free = cache.free_slots()
         n_want = len(prefetch) + len(want)
-        victims = _EMPTY
-        if n_want > len(free):
-            cand = cache.cached()
-            cand = cand[~protect[cand]]
-            n_room = len(free) + len(cand)
-            if n_want > n_room and len(want) > 1:  # not all fit: highest reuse into the cache
-                want = want[(-want_reuse).argsort(kind="stable")]
-            victims = ret.victims(layer, cand, min(n_want, n_room) - len(free))
+        copy_slots, victims = self._room(layer, n_want, protect)
+        n_cache = len(copy_slots)
+        if n_cache < n_want and len(want) > 1:  # not all fit: highest reuse into the cache
+            want = want[(-want_reuse).argsort(kind="stable")]
         order = np.concatenate([prefetch, want]) if len(prefetch) else want
-        n_cache = min(n_want, len(free) + len(victims))
         copy_experts = order[:n_cache]
-        copy_slots = free[:n_cache]
-        if len(victims):
-            copy_slots = np.concatenate([free, cache.slot_of[victims]])[:n_cache]
         if n_cache:
             cache.place(copy_experts, copy_slots)
             ret.on_insert(layer, copy_experts)
@@ -309,6 +357,8 @@ class Planner:
         )
 
         row = self.stats.rows[layer]
+        predicted_hits = self.ahead.score(layer, used)  # of those copied at the layer before
+        row[11] += predicted_hits
         row[0] += 1
         row[1] += len(needed)
         row[2] += len(hits)
@@ -332,7 +382,54 @@ class Planner:
             hits=hits,
             misses=misses,
             evicted=victims,
+            predicted_hits=predicted_hits,
         )
+
+    def predicts(self, layer: int) -> bool:
+        """Whether the engine should predict `layer`'s routing in this forward (CopyAhead)."""
+        return self.ahead.predicts(layer, self.step)
+
+    def prefetch(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Copy ahead for `layer`'s coming forward: the experts that its predicted routing ids
+        [T, K] names and its cache lacks, most predicted tokens first, at most
+        `prefetch_limit`, into free slots or those of cached experts the prediction does not
+        name; (experts, slots) to copy now. None are copied while the layer's predictions
+        have not paid (CopyAhead); they are only scored then."""
+        cache = self.caches[layer]
+        counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)  # [E]
+        named = counts > 0
+        want = (named & (cache.slot_of < 0)).nonzero()[0]
+        if len(want) > self.prefetch_limit:
+            want = want[np.argsort(-counts[want], kind="stable")[: self.prefetch_limit]]
+        if not len(want) or not self.ahead.copies(layer):
+            self.ahead.remember(layer, want, copied=False)
+            return _EMPTY, _EMPTY
+        slots, victims = self._room(layer, len(want), named)
+        experts = want[: len(slots)]
+        if len(experts):
+            cache.place(experts, slots)
+            self.retention.on_insert(layer, experts)
+        self.ahead.remember(layer, experts, copied=True)
+        row = self.stats.rows[layer]
+        row[4] += len(experts)
+        row[9] += len(victims)
+        row[10] += len(experts)
+        return experts, slots
+
+    def _room(self, layer: int, n: int, protect: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Up to n cache slots for new experts: free ones first, then those of the retention
+        policy's victims among the cached experts that `protect` [E] does not hold; (slots,
+        victims)."""
+        cache = self.caches[layer]
+        free = cache.free_slots()
+        if n <= len(free):
+            return free[:n], _EMPTY
+        cand = cache.cached()
+        cand = cand[~protect[cand]]
+        victims = self.retention.victims(layer, cand, min(n - len(free), len(cand)))
+        if not len(victims):
+            return free, _EMPTY
+        return np.concatenate([free, cache.slot_of[victims]]), victims
 
     def _decide(
         self,
@@ -363,6 +460,8 @@ class Planner:
         if not len(rest):
             return prefetch, protect, _EMPTY, _EMPTY_F, _EMPTY
         reuse = self.retention.reuse(layer, rest)
+        if self.gpu_only:
+            return prefetch, protect, rest, reuse, _EMPTY
         copy = self.compensation.decide(
             layer=layer,
             experts=rest,

@@ -102,9 +102,6 @@ class Engine:
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
-        close = getattr(self.runtime, "close", None)
-        if close is not None:
-            close()
 
     def require_ready(self) -> Runtime:
         if self.state == "ready" and self.runtime is not None:

@@ -81,11 +81,8 @@ def trace_record(
         r = load_recipe(recipe, set_ or [])
         prompts = load_prompts(r.workload.prompts, recipe.parent)
         runtime = build(r.with_values({"runtime.budget": {"resident": True}}))
-        try:
-            ids = [runtime.prompt_ids(p.as_messages(), chat=True) for p in prompts]
-            record_trace(runtime, ids, out)
-        finally:
-            runtime.close()
+        ids = [runtime.prompt_ids(p.as_messages(), chat=True) for p in prompts]
+        record_trace(runtime, ids, out)
         from oled.trace.format import Trace
 
         t = Trace.load(out)

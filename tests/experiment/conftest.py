@@ -49,7 +49,7 @@ class SyntheticRuntime:
         if len(cache) > self.slots:
             cache.popitem(last=False)
 
-    def generate(self, prompt, *, chat: bool) -> Generation:
+    def generate(self, prompt, *, chat: bool, follow=None) -> Generation:
         iterations = 8
         stats = {"per_layer": [{"hits": 0, "misses": 0} for _ in range(self.layers)]}
         for _ in range(iterations):

@@ -40,19 +40,39 @@ def test_cp(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "did you mean 'quickstart'?" in result.output
 
 
-def test_run_tiny_end_to_end(tmp_path: Path, mlflow_uri: str) -> None:
-    path = tmp_path / "tiny.toml"
+def run_tiny(tmp_path: Path, mlflow_uri: str, name: str, runtime: str, rest: str) -> dict:
+    """`oled run` of a tiny CPU recipe (`runtime` and `rest` add TOML lines); its report."""
+    path = tmp_path / f"{name}.toml"
     path.write_text(
         '[model]\npath = "builtin:tiny"\n[runtime]\ndevice = "cpu"\ndtype = "float32"\n'
-        "budget = { resident = true }\n[decoding]\nmax_new_tokens = 8\n"
-        "[workload]\nwarmup = 0\nrepeats = 1\n"
-        f'[tracking]\ntracking_uri = "{mlflow_uri}"\nexperiment = "tiny"\n'
+        f"{runtime}\n[decoding]\nmax_new_tokens = 8\n{rest}\n"
+        f'[tracking]\ntracking_uri = "{mlflow_uri}"\nexperiment = "{name}"\n'
         f'report_dir = "{tmp_path / "reports"}"\n'
     )
     load_recipe(path)
     result = runner.invoke(app, ["run", str(path)])
     assert result.exit_code == 0, result.output
-    (report_file,) = (tmp_path / "reports").glob("tiny-*/report.json")
-    report = json.loads(report_file.read_text())
+    (report_file,) = (tmp_path / "reports").glob(f"{name}-*/report.json")
+    return json.loads(report_file.read_text())
+
+
+def test_run_tiny_end_to_end(tmp_path: Path, mlflow_uri: str) -> None:
+    report = run_tiny(
+        tmp_path, mlflow_uri, "tiny", "budget = { resident = true }",
+        "[workload]\nwarmup = 0\nrepeats = 1",
+    )  # fmt: skip
     assert report["summary"]["generations"] == 4 and report["summary"]["iterations"] > 0
     assert not report["summary"]["copies"]  # every expert resident
+
+
+def test_run_follows_the_resident_tokens(tmp_path: Path, mlflow_uri: str) -> None:
+    """`workload.follow`: every timed generation commits the reference's tokens."""
+    report = run_tiny(
+        tmp_path, mlflow_uri, "follow", 'budget = { expert_fraction = 0.25 }\ncost = "cpu-ci"',
+        '[policy.allocation]\nkind = "uniform"\n[policy.retention]\nkind = "lru"\n'
+        '[policy.compensation]\nkind = "cpu_only"\n'
+        "[workload]\nwarmup = 1\nrepeats = 1\nfollow = true",
+    )  # fmt: skip
+    gens = report["generations"]
+    assert len(gens) == 4 and all(g["followed"] > 0 and g["cpu_experts"] > 0 for g in gens)
+    assert report["summary"]["agreement"] == 1.0  # one device: the same choices

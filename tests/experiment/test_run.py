@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from oled.experiment.report import per_layer, percentile, summarize
+from oled.experiment.report import median_and_p90, per_layer, summarize
 from oled.experiment.run import run_experiment
 from oled.recipe import load_recipe
 from tests.conftest import RECIPE
@@ -46,7 +46,8 @@ def test_summarize() -> None:
     assert s["prompt_ms"] == 1.5 and s["stall_ms_per_iteration"] == 2.0
     assert s["hit_rate"] == 0.5 and s["cpu_share"] == 0.125 and s["copy_gb"] == 2.0
     assert [layer["hit_rate"] for layer in per_layer(gens)] == [0.25, 0.75]
-    assert summarize([])["hit_rate"] is None and percentile([], 50) is None
+    assert summarize([])["hit_rate"] is None and median_and_p90([]) == (None, None)
+    assert median_and_p90([1.0, 2.0, 3.0, 4.0, 5.0]) == (3.0, pytest.approx(4.6))
 
 
 def test_run_is_logged_to_mlflow(tmp_path: Path, components, mlflow_uri: str) -> None:
@@ -72,7 +73,7 @@ def test_run_is_logged_to_mlflow(tmp_path: Path, components, mlflow_uri: str) ->
 class BrokenRuntime(SyntheticRuntime):
     """Fails in the middle of the workload."""
 
-    def generate(self, prompt, *, chat: bool):
+    def generate(self, prompt, *, chat: bool, follow=None):
         raise RuntimeError("expert copy failed")
 
 

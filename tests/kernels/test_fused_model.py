@@ -86,11 +86,8 @@ def test_offloaded_fused_tokens_equal_resident_fused(
         cost="cpu-ci", retention=R.LRURetention(), compensation=compensation(),
         allocation=A.UniformAllocation(), stage_capacity=2, kernels="triton",
     )  # fmt: skip
-    try:
-        assert rt.generate(PROMPT, **SHORT).token_ids == resident_fused_tokens
-        assert rt.stats()["misses"] > 0
-    finally:
-        rt.close()
+    assert rt.generate(PROMPT, **SHORT).token_ids == resident_fused_tokens
+    assert rt.stats()["misses"] > 0
 
 
 def test_triton_kernels_need_cuda_outside_the_interpreter(monkeypatch):

@@ -24,7 +24,6 @@ def runtime():
     torch.set_num_threads(min(2, torch.get_num_threads()))
     rt = load_runtime("builtin:tiny", device="cpu", dtype="bfloat16")
     yield rt
-    rt.close()
 
 
 def test_builtin_tiny_is_the_shipped_checkpoint():

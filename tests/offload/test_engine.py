@@ -1,7 +1,7 @@
 """The offloaded runtime computes the same function as the all-resident model.
 
 On one device (here the CPU: slot tables in host memory, copies as memcpy, CPU experts on the
-worker thread) every policy and budget must give bit-identical tokens.
+calling thread) every policy and budget must give bit-identical tokens.
 """
 
 from __future__ import annotations
@@ -59,16 +59,13 @@ def test_every_policy_and_budget_gives_the_resident_tokens(
     tiny_dir, reference, retention, compensation, budget
 ):
     rt = offloaded(tiny_dir, BUDGETS[budget], RETENTION[retention](), COMPENSATION[compensation]())
-    try:
-        assert answers(rt) == reference
-        s = rt.stats()
-        assert s["hits"] + s["misses"] > 0
-        if compensation == "cpu_only":
-            assert s["copies"] == 0 and s["cpu_experts"] > 0
-        if compensation == "transfer_only":  # a copy decision never turns into a CPU expert
-            assert s["cpu_experts"] == 0 and s["copies"] > 0
-    finally:
-        rt.close()
+    assert answers(rt) == reference
+    s = rt.stats()
+    assert s["hits"] + s["misses"] > 0
+    if compensation == "cpu_only":
+        assert s["copies"] == 0 and s["cpu_experts"] > 0
+    if compensation == "transfer_only":  # a copy decision never turns into a CPU expert
+        assert s["cpu_experts"] == 0 and s["copies"] > 0
 
 
 def test_adaptive_allocation_replans_and_stays_exact(tiny_dir, reference):
@@ -76,13 +73,10 @@ def test_adaptive_allocation_replans_and_stays_exact(tiny_dir, reference):
         tiny_dir, Budget("expert_fraction", 0.3), R.ConfidenceRetention(),
         C.CooperativeCompensation(), allocation=A.AdaptiveAllocation(),
     )  # fmt: skip
-    try:
-        assert answers(rt) == reference
-        caps = rt.executor.planner.capacities
-        assert sum(caps) <= round(0.3 * 3 * 32)
-        assert [t.shape[0] for t in rt.executor.w13] == caps
-    finally:
-        rt.close()
+    assert answers(rt) == reference
+    caps = rt.executor.planner.capacities
+    assert sum(caps) <= round(0.3 * 3 * 32)
+    assert [t.shape[0] for t in rt.executor.w13] == caps
 
 
 def test_bf16_is_exact_too(tiny_dir):
@@ -94,33 +88,27 @@ def test_bf16_is_exact_too(tiny_dir):
         C.MakespanCompensation(),
         dtype="bfloat16",
     )
-    try:
-        assert answers(rt) == answers(ref)
-    finally:
-        rt.close()
+    assert answers(rt) == answers(ref)
 
 
 def test_stats_count_every_request(tiny_dir):
     rt = offloaded(tiny_dir, Budget("expert_fraction", 0.25), R.LRURetention(), C.TransferOnly())
-    try:
-        rt.generate(PROMPTS[0], max_new_tokens=32)
-        s = rt.stats()
-        per_layer = s["per_layer"]
-        assert len(per_layer) == 3
-        assert sum(r["hits"] for r in per_layer) == s["hits"]
-        assert len(s["per_iteration"]) == s["iterations"]
-        assert s["copies"] >= s["misses"] - s["cpu_experts"]
-        assert s["copy_bytes"] == s["copies"] * rt.checkpoint.experts.expert_bytes
-        assert 0 < s["hit_rate"] < 1
-        assert 0 < s["plan_ms"] <= s["host_ms"] and s["plan_us_per_layer"] > 0
-        # the prompt forward and the decode iterations split the totals
-        prompt, decode = s["prompt"], s["decode"]
-        assert prompt["iterations"] == 1 and decode["iterations"] == s["iterations"] - 1
-        assert prompt["calls"] == 3 and prompt["calls"] + decode["calls"] == s["calls"]
-        assert prompt["copies"] + decode["copies"] == s["copies"]
-        assert prompt["misses"] / prompt["calls"] > decode["misses"] / decode["calls"]
-    finally:
-        rt.close()
+    rt.generate(PROMPTS[0], max_new_tokens=32)
+    s = rt.stats()
+    per_layer = s["per_layer"]
+    assert len(per_layer) == 3
+    assert sum(r["hits"] for r in per_layer) == s["hits"]
+    assert len(s["per_iteration"]) == s["iterations"]
+    assert s["copies"] >= s["misses"] - s["cpu_experts"]
+    assert s["copy_bytes"] == s["copies"] * rt.checkpoint.experts.expert_bytes
+    assert 0 < s["hit_rate"] < 1
+    assert 0 < s["plan_ms"] <= s["host_ms"] and s["plan_us_per_layer"] > 0
+    # the prompt forward and the decode iterations split the totals
+    prompt, decode = s["prompt"], s["decode"]
+    assert prompt["iterations"] == 1 and decode["iterations"] == s["iterations"] - 1
+    assert prompt["calls"] == 3 and prompt["calls"] + decode["calls"] == s["calls"]
+    assert prompt["copies"] + decode["copies"] == s["copies"]
+    assert prompt["misses"] / prompt["calls"] > decode["misses"] / decode["calls"]
 
 
 class _SeenCpu(C.CpuOnly):
@@ -136,16 +124,13 @@ class _SeenCpu(C.CpuOnly):
 def test_engine_reports_cpu_expert_time_to_the_policy(tiny_dir):
     comp = _SeenCpu()
     rt = offloaded(tiny_dir, Budget("expert_fraction", 0.25), R.LRURetention(), comp)
-    try:
-        rt.generate(PROMPTS[0], max_new_tokens=32)
-        cpu_ms = rt.stats()["cpu_ms"]
-        assert comp.seen, "no CPU expert time reached the policy"
-        assert all(m > 0 and t > 0 for _, m, t in comp.seen)
-        # from the decision to the result: at least the worker's own time
-        assert sum(t for _, _, t in comp.seen) >= cpu_ms > 0
-        assert {layer for layer, _, _ in comp.seen} == {0, 1, 2}
-    finally:
-        rt.close()
+    rt.generate(PROMPTS[0], max_new_tokens=32)
+    cpu_ms = rt.stats()["cpu_ms"]
+    assert comp.seen, "no CPU expert time reached the policy"
+    assert all(m > 0 and t > 0 for _, m, t in comp.seen)
+    # from the decision to the result: at least the worker's own time
+    assert sum(t for _, _, t in comp.seen) >= cpu_ms > 0
+    assert {layer for layer, _, _ in comp.seen} == {0, 1, 2}
 
 
 def test_budget_too_small_fails_before_loading(tiny_dir, monkeypatch):
@@ -177,3 +162,56 @@ def test_memory_budget_counts_slots():
         )
         is None
     )
+
+
+@pytest.fixture(scope="module")
+def reference_short_blocks(tiny_dir):
+    """Resident answers with 8-token blocks: about 13 of the 32 experts per forward, so that a
+    quarter cache has experts that a prediction does not name (room to copy ahead)."""
+    rt = load_runtime(str(tiny_dir), device="cpu", dtype="float32")
+    return answers_short(rt)
+
+
+def answers_short(rt):
+    return [
+        rt.generate(p, max_new_tokens=24, threshold=0.6, block_length=8).token_ids for p in PROMPTS
+    ]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize(
+    "retention, compensation",
+    [("lru", "transfer_only"), ("confidence", "cooperative"), ("score_ema", "makespan")],
+)
+def test_copies_ahead_keep_the_resident_tokens(
+    tiny_dir, reference_short_blocks, retention, compensation, budget
+):
+    rt = build_runtime(
+        model=str(tiny_dir), device="cpu", dtype="float32", budget=BUDGETS[budget], cost="cpu-ci",
+        retention=RETENTION[retention](), compensation=COMPENSATION[compensation](),
+        allocation=A.UniformAllocation(), stage_capacity=2, prefetch=4,
+    )  # fmt: skip
+    assert answers_short(rt) == reference_short_blocks
+    s = rt.stats()
+    assert 0 <= s["predicted_hits"] <= s["predicted"] <= s["copies"]
+    assert s["per_layer"][0]["predicted"] == 0  # nothing predicts the first MoE layer
+    if budget == "quarter":
+        assert s["predicted_hits"] > 0
+    stats = rt.executor.planner.stats  # over both answers, the engine's over the last one
+    assert stats.predicted.sum() >= s["predicted"] and stats.predicted[0] == 0
+    assert stats.predicted_hits.sum() >= s["predicted_hits"]
+
+
+def test_reference_computes_every_expert_on_the_device_and_runs_follow_it(tiny_dir, reference):
+    """Runtime.reference: the all-resident tokens with no CPU expert even under a CPU-only
+    policy; a run that follows it commits those tokens and still computes on the CPU."""
+    rt = offloaded(tiny_dir, BUDGETS["quarter"], R.LRURetention(), C.CpuOnly())
+    trajectory = rt.reference(PROMPTS[0], max_new_tokens=40, threshold=0.6)
+    s = rt.stats()
+    assert s["cpu_experts"] == 0 and s["copies"] > 0
+    assert trajectory.prompt == tuple(rt.prompt_ids(PROMPTS[0], chat=True))
+    assert not rt.executor.planner.gpu_only  # only within the reference
+    got = rt.generate(PROMPTS[0], max_new_tokens=40, threshold=0.6, follow=trajectory)
+    s = rt.stats()
+    assert got.token_ids == reference[0] and s["cpu_experts"] > 0
+    assert s["followed"] > 0 and s["agreed"] == s["followed"]  # one device: the same choices

@@ -71,17 +71,14 @@ def test_gpu_only_policies_are_bit_exact(tiny_dir, reference, frac, graphs):
         retention=R.LRURetention(), compensation=C.TransferOnly(), stage_capacity=4,
         graphs=graphs,
     )  # fmt: skip
-    try:
-        got = tokens(rt)
-        s = rt.stats()
-        assert s["cpu_experts"] == 0, "GPU-only policies fell back to CPU experts"
-        assert s["copies"] > 0 and s["staged"] > 0
-        assert got == reference
-        assert (getattr(rt.forward, "replays", 0) > 0) == graphs
-        if graphs:  # the staged rounds replay as graphs too
-            assert max(key[2] for key in rt.executor.graphs.graphs) >= STAGED
-    finally:
-        rt.close()
+    got = tokens(rt)
+    s = rt.stats()
+    assert s["cpu_experts"] == 0, "GPU-only policies fell back to CPU experts"
+    assert s["copies"] > 0 and s["staged"] > 0
+    assert got == reference
+    assert (getattr(rt.forward, "replays", 0) > 0) == graphs
+    if graphs:  # the staged rounds replay as graphs too
+        assert max(key[2] for key in rt.executor.graphs.graphs) >= STAGED
 
 
 def test_graphed_adaptive_allocation_is_bit_exact(tiny_dir, reference):
@@ -91,11 +88,32 @@ def test_graphed_adaptive_allocation_is_bit_exact(tiny_dir, reference):
         budget=Budget("expert_fraction", 0.25), allocation=A.AdaptiveAllocation(min_shift=0),
         retention=R.LRURetention(), compensation=C.TransferOnly(),
     )  # fmt: skip
-    try:
-        assert tokens(rt) == reference
-        assert rt.forward.replays > 0
-    finally:
-        rt.close()
+    assert tokens(rt) == reference
+    assert rt.forward.replays > 0
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_copies_ahead_are_bit_exact(tiny_dir, graphs):
+    """Copies a layer ahead from the predicted routing (8-token blocks leave a quarter cache
+    room for them) give the resident tokens; in the static path the prediction replays."""
+
+    def short_blocks(rt):
+        return [
+            rt.generate(p, max_new_tokens=48, threshold=0.6, block_length=8).token_ids
+            for p in PROMPTS
+        ]
+
+    kw = dict(model=str(tiny_dir), device="cuda", dtype="bfloat16")
+    reference = short_blocks(load_runtime(**kw, graphs=False))
+    rt = build_runtime(
+        **kw, cost="h200", budget=Budget("expert_fraction", 0.25), retention=R.LRURetention(),
+        compensation=C.TransferOnly(), prefetch=4, graphs=graphs,
+    )  # fmt: skip
+    assert short_blocks(rt) == reference
+    s = rt.stats()
+    assert 0 < s["predicted_hits"] <= s["predicted"] <= s["copies"]
+    if graphs:
+        assert any(key[-1] == "predict" for key in rt.executor.graphs.graphs)
 
 
 def test_cpu_experts_stay_within_tolerance(tiny_dir):
@@ -106,18 +124,15 @@ def test_cpu_experts_stay_within_tolerance(tiny_dir):
         **kw, cost="h200", budget=Budget("expert_fraction", 0.25),
         retention=R.LRURetention(), compensation=C.CpuOnly(),
     )  # fmt: skip
-    try:
-        x = torch.randint(0, 700, (1, 64), device="cuda")
-        with torch.inference_mode():
-            a = ref.model(x, block_length=32)
-            ref_logits = a.clone()
-            rt.model.set_executor(rt.executor)
-            b = rt.model(x, block_length=32)
-        rel = (b - ref_logits).norm() / ref_logits.norm()
-        assert rel < 2e-2, f"relative logit error {rel:.2e}"
-        assert rt.executor.metrics.total("cpu_experts") > 0
-    finally:
-        rt.close()
+    x = torch.randint(0, 700, (1, 64), device="cuda")
+    with torch.inference_mode():
+        a = ref.model(x, block_length=32)
+        ref_logits = a.clone()
+        rt.model.set_executor(rt.executor)
+        b = rt.model(x, block_length=32)
+    rel = (b - ref_logits).norm() / ref_logits.norm()
+    assert rel < 2e-2, f"relative logit error {rel:.2e}"
+    assert rt.executor.metrics.total("cpu_experts") > 0
 
 
 def test_runtime_copies_move_the_right_rows():

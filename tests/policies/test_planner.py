@@ -36,11 +36,21 @@ COST = CostModel.profile("h200")
 
 
 def make(
-    ret=LRURetention, comp=TransferOnly, *, layers=3, experts=16, k=2, slots=12, stage=2, alloc=None
+    ret=LRURetention,
+    comp=TransferOnly,
+    *,
+    layers=3,
+    experts=16,
+    k=2,
+    slots=12,
+    stage=2,
+    alloc=None,
+    prefetch=0,
 ) -> Planner:
     return Planner(
         num_layers=layers, num_experts=experts, top_k=k, total_slots=slots, stage_capacity=stage,
         allocation=alloc or UniformAllocation(), retention=ret(), compensation=comp(), cost=COST,
+        prefetch_limit=prefetch,
     )  # fmt: skip
 
 
@@ -180,3 +190,70 @@ def test_plan_marks_masked_observation() -> None:
     )  # fmt: skip
     planner.observe(0, ids, np.ones((1, 2), np.float32), ctx)
     assert planner.step == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ret=st.sampled_from(RETENTIONS),
+    limit=st.integers(1, 6),
+    seed=st.integers(0, 10_000),
+)
+def test_prefetch_copies_only_what_the_prediction_names_and_keeps_it(ret, limit, seed) -> None:
+    rng = np.random.default_rng(seed)
+    planner = make(ret, experts=16, k=2, slots=3 * 5, prefetch=limit)  # 5 slots per layer
+    for step in range(6):
+        planner.begin_step(step=step, block=0)
+        for layer in range(3):
+            planner.plan(layer, rng.integers(0, 16, (3, 2)), rng.random((3, 2), np.float32))
+        predicted = rng.integers(0, 16, (3, 2))  # [T, K] for layer 1
+        cache = planner.caches[1]
+        before = cache.slot_of.copy()
+        experts, slots = planner.prefetch(1, predicted)
+        cache.check()
+        named = np.unique(predicted)
+        assert len(experts) <= limit and len(experts) == len(slots)
+        assert np.isin(experts, named).all() and (before[experts] < 0).all()
+        assert (cache.slot_of[experts] == slots).all()
+        # a cached expert the prediction names is never evicted for another
+        kept = named[before[named] >= 0]
+        assert (cache.slot_of[kept] == before[kept]).all()
+        # the next plan of the layer counts the ones it needs
+        ids = rng.integers(0, 16, (3, 2))
+        hits_before = planner.stats.predicted_hits[1]
+        plan = planner.plan(1, ids, rng.random((3, 2), np.float32))
+        assert plan.predicted_hits == np.isin(experts, ids).sum()
+        assert planner.stats.predicted_hits[1] == hits_before + plan.predicted_hits
+    assert planner.stats.predicted[1] <= planner.stats.copies[1]
+
+
+def test_prefetch_takes_the_most_predicted_tokens_first() -> None:
+    planner = make(experts=16, k=2, slots=3 * 8, prefetch=2)
+    predicted = np.array([[5, 9], [9, 3], [9, 5], [7, 1]])  # 9 thrice, 5 twice
+    experts, _ = planner.prefetch(2, predicted)
+    assert experts.tolist() == [9, 5]
+    assert planner.prefetch(2, predicted)[0].tolist() == [1, 3]  # 9 and 5 are cached now
+
+
+def test_prefetch_off_and_negative_limit() -> None:
+    assert make().prefetch_limit == 0
+    with pytest.raises(ValueError, match="prefetch_limit"):
+        make(prefetch=-1)
+
+
+def test_copies_ahead_stop_where_predictions_miss_and_resume_where_they_hit() -> None:
+    planner = make(experts=16, k=2, slots=3 * 8, prefetch=4)  # 8 slots: two of the 4 sets
+    sets = np.arange(16).reshape(4, 2, 2)  # [set, T, K]: the layer needs set step % 4
+    copied = []
+    for step in range(40):
+        planner.begin_step(step=step, block=0)
+        need = sets[step % 4]
+        predicted = sets[(step + 1) % 4] if step < 20 else need  # wrong, then right
+        if planner.predicts(1):
+            copied.append((step, len(planner.prefetch(1, predicted)[0])))
+        planner.plan(1, need, np.ones((2, 2), np.float32))
+    gate = planner.ahead
+    off = [step for step, _ in copied if 8 <= step < 20]
+    assert off and all(step % gate.probe == 0 for step in off), "a missing layer kept predicting"
+    assert all(n == 0 for step, n in copied if 8 <= step < 20)
+    assert gate.copies(1) and any(n > 0 for step, n in copied if step >= 25)
+    assert planner.stats.predicted_hits[1] > 0
