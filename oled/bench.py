@@ -365,7 +365,8 @@ def table(rows: list[dict[str, Any]]):
         if ahead:
             used = o.get("predicted_used")
             cells.append(
-                _fmt(o.get("predicted_per_iteration")) + (f" ({used:.0%})" if used else "")
+                _fmt(o.get("predicted_per_iteration"))
+                + (f" ({used:.0%})" if used is not None else "")
             )
         out.add_row(*cells)
     return out

@@ -155,6 +155,10 @@ class CopyAhead:
         """The layer's predicted misses (copied ahead or only scored)."""
         self._pending[layer], self._copied[layer] = experts, copied
 
+    def forget(self, layer: int) -> None:
+        """Drop the layer's pending prediction unscored (its cache was rebuilt)."""
+        self._pending[layer] = None
+
     def score(self, layer: int, used: np.ndarray) -> int:
         """Score the pending prediction against the experts the layer needs (`used` [E]); the
         needed ones among those copied ahead (0 when nothing was copied)."""
@@ -252,7 +256,7 @@ class Planner:
 
     def _resize(self, layer: int, capacity: int) -> Resize:
         old = self.caches[layer]
-        self.ahead.remember(layer, _EMPTY, copied=False)
+        self.ahead.forget(layer)
         cached = old.cached()
         if len(cached) > capacity:
             drop = self.retention.victims(layer, cached, len(cached) - capacity)

@@ -84,6 +84,14 @@ def test_offload_columns_and_ratios():
     console.print(bench.table(rows))
     text = console.export_text()
     assert "2.00x" in text and "50.0%" in text and "hit rate" in text
+    assert "ahead/it" not in text  # no row copied ahead
+    ahead = _engine_summary({}, {"copies": 8, "predicted": 4, "predicted_hits": 1})
+    rows = bench.with_ratios([*rows, bench.summarise("ahead", [stats([1.0, 5.0])], [ahead])])
+    assert rows[-1]["offload"]["predicted_used"] == 0.25
+    console = Console(record=True, width=260)
+    console.print(bench.table(rows))
+    text = console.export_text()
+    assert "ahead/it (used)" in text and "4.0 (25%)" in text
 
 
 def test_random_prompt_is_seeded(tiny_dir):
