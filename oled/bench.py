@@ -277,6 +277,8 @@ def _offload_summary(per_run: list[dict]) -> dict[str, float]:
     )}  # fmt: skip
     for key in ("copies", "copy_bytes", "cpu_experts", "stall_ms", "copy_ms", "predicted"):
         out[f"{key}_per_iteration"] = decode[key] / n
+    if decode["cpu_experts"]:  # the host's compute time per CPU expert
+        out["cpu_ms_per_expert"] = decode["cpu_ms"] / decode["cpu_experts"]
     if decode["predicted"]:  # copied a layer ahead: the share that the layer then needed
         out["predicted_used"] = decode["predicted_hits"] / decode["predicted"]
     if out["copy_ms_per_iteration"]:  # bytes over the copy stream's busy time

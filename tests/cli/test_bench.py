@@ -85,9 +85,11 @@ def test_offload_columns_and_ratios():
     text = console.export_text()
     assert "2.00x" in text and "50.0%" in text and "hit rate" in text
     assert "ahead/it" not in text  # no row copied ahead
-    ahead = _engine_summary({}, {"copies": 8, "predicted": 4, "predicted_hits": 1})
+    ahead = _engine_summary({}, {"copies": 8, "predicted": 4, "predicted_hits": 1,
+                                 "cpu_experts": 2, "cpu_ms": 0.5})  # fmt: skip
     rows = bench.with_ratios([*rows, bench.summarise("ahead", [stats([1.0, 5.0])], [ahead])])
     assert rows[-1]["offload"]["predicted_used"] == 0.25
+    assert rows[-1]["offload"]["cpu_ms_per_expert"] == 0.25
     console = Console(record=True, width=260)
     console.print(bench.table(rows))
     text = console.export_text()
