@@ -13,6 +13,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -25,11 +30,6 @@ from pydantic import (
 )
 
 from oled import registry as reg
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 from oled.registry import REQUIRED, ComponentImportError, UnknownComponentError, suggest
 
 BUILTIN = "builtin:"

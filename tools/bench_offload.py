@@ -139,7 +139,7 @@ def main() -> None:
 
             record_trace(rt, [random_prompt(rt, cfg.prompt_length, cfg.seed)], Path(args.trace))
         if args.ahead_from == "recorded" and not graphs and oracle is None:
-            oracle = recorded_routing(rt, cfg, decode, trajectory)
+            oracle = recorded_routing(rt, cfg, trajectory)
         print(f"done: resident {mode}", flush=True)
         del rt
     del resident
@@ -188,20 +188,13 @@ def main() -> None:
     print(f"report: {write_report(Path(args.report_dir), cfg, rows, str(dev))}")
 
 
-def recorded_routing(rt: Runtime, cfg: BenchConfig, decode, trajectory: Trajectory):
+def recorded_routing(rt: Runtime, cfg: BenchConfig, trajectory: Trajectory):
     """The routing of one generation that follows `trajectory`, as a perfect prediction."""
     from oled.offload.predict import RecordedRouting
-    from oled.trace.commands import recording
+    from oled.trace.commands import record
 
-    recorder, observer, remove = recording(rt)
     prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
-    try:
-        for _ in rt.stream(prompt, decode=bench_decode(rt, cfg), observers=[observer],
-                           follow=trajectory):  # fmt: skip
-            pass
-    finally:
-        remove()
-    return RecordedRouting(recorder.build())
+    return RecordedRouting(record(rt, [prompt], decode=bench_decode(rt, cfg), follow=trajectory))
 
 
 def suffix(kernels: str) -> str:

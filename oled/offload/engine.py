@@ -283,24 +283,17 @@ class OffloadEngine(DecodeObserver):
         round's copies wait until the stage's earlier users are done, its pass for the copies.
         Every other pair of a pass is zero, so adding the rounds is exact."""
         size = self.stage_w13.shape[0]
-        compute = self._compute
         tables = (self.stage_w13, self.stage_w2)
         for n, lo in enumerate(range(0, len(plan.stage_experts), size)):
             experts, slots = plan.stage_experts[lo : lo + size], plan.stage_slots[lo : lo + size]
             if self.copy_stream is not None and self._stage_free is not None:
                 self.copy_stream.wait_event(self._stage_free)
-            begin = self._timing.record(self.copy_stream)  # after the wait: copy time only
-            self._launch_copies(r.layer, experts, slots, self._stage_rows)
-            if compute is not None:
-                copied = self._timing.record(self.copy_stream)
-                stall = self._timing.record(compute)
-                compute.wait_event(copied)
-                self._events += [
-                    (r.layer, begin, copied, "copy"),
-                    (r.layer, stall, self._timing.record(compute)),
-                ]
+            # timed after the wait: copy time only
+            copied = self._timed_copies(r.layer, experts, slots, self._stage_rows)
+            if copied is not None:
+                self._wait(r.layer, copied)
             self._pass(r, STAGED + n, maps, tables, pairs, static)
-            self._stage_free = self._timing.record(compute)
+            self._stage_free = self._timing.record(self._compute)
 
     def _copy(self, layer: int, plan: LayerPlan) -> torch.cuda.Event | None:
         """Launch the copies into cache slots on the copy stream; the event they complete
@@ -311,12 +304,9 @@ class OffloadEngine(DecodeObserver):
         is empty."""
         if not len(plan.copy_experts):
             return None
-        begin = self._timing.record(self.copy_stream)
-        self._launch_copies(layer, plan.copy_experts, plan.copy_slots, self._cache_rows[layer])
-        done = self._timing.record(self.copy_stream)
-        if begin is not None:
-            self._events.append((layer, begin, done, "copy"))
-        return done
+        return self._timed_copies(
+            layer, plan.copy_experts, plan.copy_slots, self._cache_rows[layer]
+        )
 
     def _copy_ahead(self, layer: int, predicted: np.ndarray) -> None:
         """Copy into `layer`'s cache what its predicted routing [T, K] names and the cache lacks
@@ -324,13 +314,19 @@ class OffloadEngine(DecodeObserver):
         experts, slots = self.planner.prefetch(layer, predicted)
         if not len(experts):
             return
-        begin = self._timing.record(self.copy_stream)
-        self._launch_copies(layer, experts, slots, self._cache_rows[layer])
-        if begin is not None:
-            self._ahead[layer] = done = self._timing.record(self.copy_stream)
-            self._events.append((layer, begin, done, "copy"))
+        self._ahead[layer] = self._timed_copies(layer, experts, slots, self._cache_rows[layer])
         n = len(experts)
         self.metrics.add(layer, copies=n, copy_bytes=n * self.store.expert_bytes, predicted=n)
+
+    def _timed_copies(self, layer: int, experts, slots, rows: Rows) -> torch.cuda.Event | None:
+        """Launch the copies of `experts` into `slots` of `rows`, timed as the layer's copy
+        time; the event they complete (None on the CPU, where copies are synchronous)."""
+        begin = self._timing.record(self.copy_stream)
+        self._launch_copies(layer, experts, slots, rows)
+        done = self._timing.record(self.copy_stream)
+        if begin is not None:
+            self._events.append((layer, begin, done, "copy"))
+        return done
 
     def _launch_copies(self, layer: int, experts, slots, rows: Rows) -> None:
         """One copy per tensor of each expert, host (pinned) -> slot rows of `rows` (a w13

@@ -198,7 +198,6 @@ class Planner:
         if stage_capacity < 0:
             raise ValueError(f"stage_capacity must be >= 0, got {stage_capacity}")
         self.stage_capacity = stage_capacity
-        self.prefetch_limit = prefetch_limit  # experts per layer copied ahead (0 = none)
         self.ahead = CopyAhead(num_layers, prefetch_limit, alpha=stats_alpha)
         self.allocation, self.retention, self.compensation = allocation, retention, compensation
         self.cost = cost
@@ -276,6 +275,11 @@ class Planner:
         return Resize(layer=layer, capacity=capacity, keep=keep)
 
     # -- per forward ------------------------------------------------------------------------
+
+    @property
+    def prefetch_limit(self) -> int:
+        """Experts per layer copied ahead (0 = none)."""
+        return self.ahead.limit
 
     @contextmanager
     def all_on_device(self) -> Iterator[None]:

@@ -51,16 +51,22 @@ def recording(runtime):
     return recorder, _StepRecorder(recorder), runtime.model.add_routing_hook(hook)
 
 
-def record_trace(runtime, prompt_ids: list[list[int]], out: Path) -> Path:
-    """Decode each prompt with `runtime`, recording per forward and MoE layer the routing."""
+def record(runtime, prompt_ids: list[list[int]], *, decode=None, follow=None):
+    """Decode each prompt with `runtime` (its decode settings unless `decode`; committing
+    `follow`'s tokens if given), recording per forward and MoE layer the routing: the Trace."""
     recorder, observer, remove = recording(runtime)
     try:
         for ids in prompt_ids:
-            for _ in runtime.stream(ids, observers=[observer]):
+            for _ in runtime.stream(ids, decode=decode, observers=[observer], follow=follow):
                 pass
     finally:
         remove()
-    recorder.build().save(out)
+    return recorder.build()
+
+
+def record_trace(runtime, prompt_ids: list[list[int]], out: Path) -> Path:
+    """`record` the prompts' routing into the trace file `out`."""
+    record(runtime, prompt_ids).save(out)
     return out
 
 

@@ -3,6 +3,8 @@ layer l + 1's norm."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from oled.offload.predict import NextLayerRouting
@@ -47,16 +49,16 @@ def test_recorded_routing_predicts_the_next_layer_exactly(tiny_dir):
     from oled.policies import compensation as C
     from oled.policies import retention as R
     from oled.runtime import build_runtime
-    from oled.trace.commands import recording
+    from oled.trace.commands import record
 
     kw = dict(max_new_tokens=24, threshold=0.6, block_length=8)
     resident = load_runtime(str(tiny_dir), device="cpu", dtype="float32")
     trajectory = Trajectory()
     want = resident.generate("Once upon a time", observers=[trajectory], **kw).token_ids
-    recorder, observer, remove = recording(resident)
-    resident.generate("Once upon a time", observers=[observer], follow=trajectory, **kw)
-    remove()
-    oracle = RecordedRouting(recorder.build())
+    prompt = resident.prompt_ids("Once upon a time", chat=True)
+    oracle = RecordedRouting(
+        record(resident, [prompt], decode=replace(resident.decode, **kw), follow=trajectory)
+    )
     rt = build_runtime(
         model=str(tiny_dir), device="cpu", dtype="float32", cost="cpu-ci",
         budget=Budget("expert_fraction", 0.25), retention=R.LRURetention(),
