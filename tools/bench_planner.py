@@ -2,7 +2,12 @@
 synthetic routing: two prompt-like skews with many misses per layer, and decode-like routing
 where one token changes its routes per forward (a few misses per layer, as decoding has).
 
-Usage: PYTHONPATH=. python tools/bench_planner.py [--steps 200]
+With `--trace FILE` (a routing trace, `oled trace record` or `tools/bench_offload.py --trace`) it
+times the planner alone on that recorded routing instead, decode forwards only (the first forward,
+which runs the prompt, is left out), as `oled bench` reports `plan µs/layer` in place: the two
+figures on one host show what running between the engine's launches costs the planner.
+
+Usage: PYTHONPATH=. python tools/bench_planner.py [--steps 200] [--trace FILE]
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import numpy as np
 from oled.offload.planner import Planner
 from oled.policies import ANCHORS, anchor_policies
 from oled.policies.base import CostModel, Load
+from oled.trace.format import Trace
 
 
 def routing(
@@ -54,7 +60,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--slots-per-layer", type=int, default=64)
+    ap.add_argument("--trace", default=None, help="time the planner on this recorded routing")
     args = ap.parse_args()
+    if args.trace:
+        bench_trace(Trace.load(args.trace), args.slots_per_layer)
+        return
     layers, tokens, k, e = 19, 32, 8, 256
     for skew in (0.0, 2.5):
         rng = np.random.default_rng(0)
@@ -92,6 +102,40 @@ def run(name: str, ids, weights, slots_per_layer: int, load: Load) -> tuple[floa
     us = (time.perf_counter() - t0) / (steps * layers) * 1e6
     stats = planner.stats
     return us, stats.hit_rate(), float(stats.misses.sum() / stats.plans.sum())
+
+
+def bench_trace(trace: Trace, slots_per_layer: int) -> None:
+    """Print microseconds per decode plan (best of 3 passes) on the trace, per anchor."""
+    m = trace.meta
+    steps = [(ctx, routing) for ctx, routing in trace]
+    print(f"trace: {len(steps)} forwards x {m.num_moe_layers} MoE layers, {m.num_experts} experts")
+    for anchor in ANCHORS:
+        us = min(replay(anchor, steps, m, slots_per_layer) for _ in range(3))
+        print(f"  {anchor:10s} {us:6.1f} us per decode plan")
+
+
+def replay(anchor: str, steps, meta, slots_per_layer: int) -> float:
+    """One pass with fresh policies, as the engine drives the planner (begin_step, a plan per
+    layer, observe after the forward, end_block between blocks): us per decode plan."""
+    planner = Planner(
+        num_layers=meta.num_moe_layers, num_experts=meta.num_experts, top_k=meta.top_k,
+        total_slots=meta.num_moe_layers * slots_per_layer, stage_capacity=8,
+        **anchor_policies(anchor), cost=CostModel.profile("h200"),
+    )  # fmt: skip
+    spent, block = 0.0, None
+    for s, (ctx, routing) in enumerate(steps):
+        if block is not None and ctx.block != block:
+            planner.end_block()
+        block = ctx.block
+        planner.begin_step(step=ctx.step, block=ctx.block)
+        t0 = time.perf_counter()
+        for layer, (ids, w) in enumerate(routing):
+            planner.plan(layer, ids, w)
+        if s:  # the prompt forward apart
+            spent += time.perf_counter() - t0
+        for layer, (ids, w) in enumerate(routing):
+            planner.observe(layer, ids, w, ctx)
+    return spent / max(1, (len(steps) - 1) * meta.num_moe_layers) * 1e6
 
 
 if __name__ == "__main__":

@@ -36,9 +36,12 @@ class ExpertCache:
         self.num_experts = num_experts
         self.slot_of = np.full(num_experts, -1, np.int32)  # [E] expert -> slot, -1 = not cached
         self.expert_in = np.full(capacity, -1, np.int32)  # [C] slot -> expert, -1 = free
+        self.n_free = capacity
 
     def cached(self) -> np.ndarray:
         """Ids of the cached experts (slot order)."""
+        if not self.n_free:  # full: every slot's expert
+            return self.expert_in.astype(np.int64)
         return self.expert_in[self.expert_in >= 0].astype(np.int64)
 
     def free_slots(self) -> np.ndarray:
@@ -48,7 +51,9 @@ class ExpertCache:
     def place(self, experts: np.ndarray, slots: np.ndarray) -> None:
         """Put experts in slots, dropping whatever those slots held."""
         old = self.expert_in[slots]
-        self.slot_of[old[old >= 0]] = -1
+        held = old >= 0
+        self.slot_of[old[held]] = -1
+        self.n_free -= len(old) - int(np.count_nonzero(held))
         self.expert_in[slots] = experts
         self.slot_of[experts] = slots
 
@@ -59,6 +64,7 @@ class ExpertCache:
         inv = np.flatnonzero(self.slot_of >= 0)
         assert len(inv) == cached.sum()
         assert (self.expert_in[self.slot_of[inv]] == inv).all()
+        assert self.n_free == len(self.free_slots())
 
 
 @dataclass
@@ -160,8 +166,9 @@ class CopyAhead:
         self._pending[layer] = None
 
     def score(self, layer: int, used: np.ndarray) -> int:
-        """Score the pending prediction against the experts the layer needs (`used` [E]); the
-        needed ones among those copied ahead (0 when nothing was copied)."""
+        """Score the pending prediction against the experts the layer needs (`used` [E],
+        nonzero where needed); the needed ones among those copied ahead (0 when nothing was
+        copied)."""
         ahead, self._pending[layer] = self._pending[layer], None
         if ahead is None or not len(ahead):
             return 0
@@ -209,7 +216,7 @@ class Planner:
         self._ws = [0.0] * num_layers  # EMA of distinct experts per forward (plain floats: cheap)
         self._reuse = [0.0] * num_layers  # EMA of overlap with the previous forward
         self._samples = [0] * num_layers
-        self._prev_used = np.zeros((num_layers, num_experts), bool)
+        self._prev_used = [np.zeros(num_experts, np.int64)] * num_layers  # [E] per layer
         retention.reset(num_layers=num_layers, num_experts=num_experts)
         compensation.reset(num_layers=num_layers, num_experts=num_experts)
         self.capacities = self._allocate(None)
@@ -324,16 +331,17 @@ class Planner:
     ) -> LayerPlan:
         """Plan one MoE layer for one forward: routing ids/weights [T, K]."""
         cache, ret = self.caches[layer], self.retention
+        # few numpy calls: on the hot path each costs microseconds (its code is cold there)
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)  # [E] tokens per expert
-        used = counts > 0
-        needed = used.nonzero()[0]
-        hit_mask = cache.slot_of[needed] >= 0
-        hits, misses = needed[hit_mask], needed[~hit_mask]
-        self._measure(layer, used, needed)
+        needed = counts.nonzero()[0]  # counts doubles as the "needed" mask below
+        missed = cache.slot_of[needed] < 0
+        misses = needed[missed]
+        hits = needed[~missed] if len(misses) else needed
+        self._measure(layer, counts, needed)
         ret.route(layer, ids, weights, self.step)
         if len(hits):
             ret.on_hit(layer, hits, self.step)
-        prefetch, protect, want, want_reuse, cpu = self._decide(layer, counts, used, misses, load)
+        prefetch, protect, want, want_reuse, cpu = self._decide(layer, counts, misses, load)
 
         # Cache slots: free ones first, then victims (cached, not needed, not refresh targets).
         n_want = len(prefetch) + len(want)
@@ -353,19 +361,19 @@ class Planner:
         over = _EMPTY
         if n_cache < n_want:
             over = order[n_cache:]
-            over = over[used[over]]
+            over = over[counts[over] > 0]
             if not self.stage_capacity:
                 cpu, over = np.concatenate([cpu, over]), _EMPTY
         n_stage = len(over)
-        copied = copy_experts[used[copy_experts]] if len(prefetch) else copy_experts
+        copied = copy_experts[counts[copy_experts] > 0] if len(prefetch) else copy_experts
         gpu = np.concatenate([hits, copied]) if len(copied) else hits
-        cpu_tokens = counts[cpu]
+        cpu_tokens = counts[cpu] if len(cpu) else _EMPTY
         stage_slots = (
             np.arange(n_stage, dtype=np.int64) % self.stage_capacity if n_stage else _EMPTY
         )
 
         row = self.stats.rows[layer]
-        predicted_hits = self.ahead.score(layer, used)  # of those copied at the layer before
+        predicted_hits = self.ahead.score(layer, counts)  # of those copied at the layer before
         row[11] += predicted_hits
         row[0] += 1
         row[1] += len(needed)
@@ -426,14 +434,16 @@ class Planner:
 
     def _room(self, layer: int, n: int, protect: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Up to n cache slots for new experts: free ones first, then those of the retention
-        policy's victims among the cached experts that `protect` [E] does not hold; (slots,
+        policy's victims among the cached experts where `protect` [E] is zero; (slots,
         victims)."""
+        if not n:
+            return _EMPTY, _EMPTY
         cache = self.caches[layer]
-        free = cache.free_slots()
+        free = cache.free_slots() if cache.n_free else _EMPTY
         if n <= len(free):
             return free[:n], _EMPTY
         cand = cache.cached()
-        cand = cand[~protect[cand]]
+        cand = cand[protect[cand] == 0]
         victims = self.retention.victims(layer, cand, min(n - len(free), len(cand)))
         if not len(victims):
             return free, _EMPTY
@@ -443,24 +453,24 @@ class Planner:
         self,
         layer: int,
         counts: np.ndarray,
-        used: np.ndarray,
         misses: np.ndarray,
         load: Load | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Refresh targets, then one copy-or-CPU decision per remaining miss.
 
-        Returns (prefetch: refresh targets to load, protect: [E] never-evict mask,
-        want: misses to copy, their reuse, cpu: misses for the CPU).
+        Returns (prefetch: refresh targets to load, protect: [E] never evicted where nonzero
+        (this forward's token counts, plus the refresh targets), want: misses to copy, their
+        reuse, cpu: misses for the CPU).
         """
         cache = self.caches[layer]
         refresh = self.compensation.refresh(
             layer=layer, step=self.step, block=self.block, capacity=cache.capacity, tokens=counts
         )
-        protect, prefetch, rest = used, _EMPTY, misses
+        protect, prefetch, rest = counts, _EMPTY, misses
         if refresh is not None and len(refresh):
             refresh = np.asarray(refresh, np.int64)[: cache.capacity]
-            protect = used.copy()
-            protect[refresh] = True
+            protect = counts.copy()
+            protect[refresh] = 1
             prefetch = refresh[cache.slot_of[refresh] < 0]
             loading = np.zeros(self.num_experts, bool)
             loading[prefetch] = True
@@ -480,7 +490,7 @@ class Planner:
         )
         return prefetch, protect, rest[copy], reuse[copy], rest[~copy]
 
-    def _measure(self, layer: int, used: np.ndarray, needed: np.ndarray) -> None:
+    def _measure(self, layer: int, counts: np.ndarray, needed: np.ndarray) -> None:
         n, k, a = len(needed), self._samples[layer], self.stats_alpha
         self._ws[layer] = n if k == 0 else self._ws[layer] + a * (n - self._ws[layer])
         if k:  # overlap needs a previous forward
@@ -488,7 +498,7 @@ class Planner:
             r = self._reuse[layer]
             self._reuse[layer] = overlap if k == 1 else r + a * (overlap - r)
         self._samples[layer] = k + 1
-        self._prev_used[layer] = used
+        self._prev_used[layer] = counts  # nonzero where used
 
     @property
     def layer_stats(self) -> LayerStats:

@@ -268,9 +268,10 @@ class CompensationPolicy(ABC):
     ) -> np.ndarray | None:
         """Experts the layer's cache should hold from now on, in priority order, or None.
 
-        `tokens` [E] counts this forward's tokens per expert. The planner copies the listed
-        experts that are not cached (evicting cached experts outside the list that this step does
-        not need), before per-miss decisions; misses it loads count as copies.
+        `tokens` [E] counts this forward's tokens per expert (read only: the planner keeps
+        it). The planner copies the listed experts that are not cached (evicting cached experts
+        outside the list that this step does not need), before per-miss decisions; misses it
+        loads count as copies.
         """
         return None
 

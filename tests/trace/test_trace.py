@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,3 +171,20 @@ def test_simulator_runtime_bound() -> None:
     belady_bypass(trace, [64] * 19)
     t2 = time.perf_counter()
     assert t1 - t0 < 15 and t2 - t1 < 15, (t1 - t0, t2 - t1)
+
+
+def test_planner_bench_replays_a_trace(tmp_path, small: Trace) -> None:
+    """tools/bench_planner.py --trace: µs per decode plan for every anchor configuration."""
+    root = Path(__file__).resolve().parents[2]
+    path = tmp_path / "small.oledtrace"
+    small.save(path)
+    out = subprocess.run(
+        [sys.executable, str(root / "tools" / "bench_planner.py"), "--trace", str(path),
+         "--slots-per-layer", "8"],
+        capture_output=True, text=True, check=True, cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": ""},
+    ).stdout  # fmt: skip
+    assert f"{small.num_steps} forwards x 4 MoE layers, 64 experts" in out
+    for anchor in ANCHORS:
+        found = re.search(rf"^  {anchor}\s+([\d.]+) us per decode plan$", out, re.M)
+        assert found and float(found.group(1)) > 0, out
