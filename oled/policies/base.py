@@ -227,14 +227,14 @@ class RetentionPolicy(ABC):
 
 
 def lowest(priority: np.ndarray, candidates: np.ndarray, n: int) -> np.ndarray:
-    """The n candidates with the lowest priority (ties: lower expert id first)."""
+    """The n candidates with the lowest priority, ties to the lower expert id, in that order.
+
+    A full order, not a partition: which of several equal priorities a partition picks depends
+    on numpy's version and the CPU's vector instructions, and so would every eviction."""
     if n <= 0:
         return candidates[:0]
-    if n >= len(candidates):
-        return candidates
-    p = priority[candidates]
-    idx = np.argpartition(p, n - 1)[:n]
-    return candidates[idx]
+    order = np.lexsort((candidates, priority[candidates]))  # by priority, then id
+    return candidates[order[:n]]
 
 
 class CompensationPolicy(ABC):

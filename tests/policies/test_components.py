@@ -20,6 +20,7 @@ from oled.policies.base import (
     LayerStats,
     Load,
     StepContext,
+    lowest,
 )
 from oled.policies.compensation import (
     BatchThreshold,
@@ -303,3 +304,18 @@ def test_constructors_are_registry_friendly(module) -> None:
             assert p.default is not inspect.Parameter.empty, (cls, name)
             assert p.annotation is not inspect.Parameter.empty, (cls, name)
         cls()  # every component builds with defaults
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    levels=st.integers(1, 5), n=st.integers(0, 70), seed=st.integers(0, 10_000)
+)  # fmt: skip
+def test_lowest_breaks_ties_by_expert_id_whatever_the_candidate_order(levels, n, seed) -> None:
+    """Victims are the n candidates of lowest (priority, id), in that order: with few distinct
+    priorities most choices are ties, and a partition would settle them by its own order."""
+    rng = np.random.default_rng(seed)
+    priority = rng.integers(0, levels, 64).astype(np.float64)
+    candidates = rng.permutation(64)[: int(rng.integers(0, 65))]
+    expected = sorted(candidates.tolist(), key=lambda e: (priority[e], e))[:n]
+    assert lowest(priority, candidates, n).tolist() == expected
+    assert lowest(priority, rng.permutation(candidates), n).tolist() == expected
