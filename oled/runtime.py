@@ -228,11 +228,14 @@ class Runtime:
         that follow it (`generate(..., follow=)`) do the same work, so runs with CPU experts
         (which agree with the device only to a tolerance) compare like for like."""
         trajectory = Trajectory()
+        ids = self.prompt_ids(prompt, chat=chat)
+        cfg = replace(decode or self.decode, **overrides)
         planner = getattr(self.executor, "planner", None)
         on_device = planner.all_on_device() if planner is not None else contextlib.nullcontext()
         with on_device:
-            self.generate(prompt, chat=chat, decode=decode, observers=[trajectory], **overrides)
-        trajectory.prompt = tuple(self.prompt_ids(prompt, chat=chat))
+            for _ in self.stream(ids, decode=cfg, observers=[trajectory]):
+                pass
+        trajectory.prompt = tuple(ids)
         return trajectory
 
 

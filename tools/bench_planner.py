@@ -86,14 +86,19 @@ def bench(name: str, routed: tuple[np.ndarray, np.ndarray], args) -> None:
               f"misses per plan {misses:.1f}")  # fmt: skip
 
 
+def fresh_planner(anchor: str, layers: int, experts: int, top_k: int, slots: int) -> Planner:
+    """A planner with the anchor configuration's fresh policies, `slots` per layer, an 8-slot
+    stage and the H200 cost profile."""
+    return Planner(
+        num_layers=layers, num_experts=experts, top_k=top_k, total_slots=layers * slots,
+        stage_capacity=8, **anchor_policies(anchor), cost=CostModel.profile("h200"),
+    )  # fmt: skip
+
+
 def run(name: str, ids, weights, slots_per_layer: int, load: Load) -> tuple[float, float, float]:
     """One pass over the routing with fresh policies: (us per plan, hit rate, misses per plan)."""
     steps, layers, _, k = ids.shape
-    planner = Planner(
-        num_layers=layers, num_experts=256, top_k=k, total_slots=layers * slots_per_layer,
-        stage_capacity=8, **anchor_policies(name),
-        cost=CostModel.profile("h200"),
-    )  # fmt: skip
+    planner = fresh_planner(name, layers, 256, k, slots_per_layer)
     t0 = time.perf_counter()
     for s in range(steps):
         planner.begin_step(step=s, block=s // 8)
@@ -117,11 +122,9 @@ def bench_trace(trace: Trace, slots_per_layer: int) -> None:
 def replay(anchor: str, steps, meta, slots_per_layer: int) -> float:
     """One pass with fresh policies, as the engine drives the planner (begin_step, a plan per
     layer, observe after the forward, end_block between blocks): us per decode plan."""
-    planner = Planner(
-        num_layers=meta.num_moe_layers, num_experts=meta.num_experts, top_k=meta.top_k,
-        total_slots=meta.num_moe_layers * slots_per_layer, stage_capacity=8,
-        **anchor_policies(anchor), cost=CostModel.profile("h200"),
-    )  # fmt: skip
+    planner = fresh_planner(
+        anchor, meta.num_moe_layers, meta.num_experts, meta.top_k, slots_per_layer
+    )
     spent, block = 0.0, None
     for s, (ctx, routing) in enumerate(steps):
         if block is not None and ctx.block != block:

@@ -81,6 +81,7 @@ class OffloadEngine(DecodeObserver):
         self._timing = _EventPool()
         self._compute: torch.cuda.Stream | None = None  # the current layer call's stream
         self._routing_host: dict[tuple[int, int], tuple[Tensor, ...]] = {}  # pinned, per shape
+        self._x_host: dict[tuple[int, ...], Tensor] = {}  # pinned CPU-expert activations
         self._static_io: dict[tuple[int, int], tuple[MoERequest, Tensor]] = {}
         self._predicted: dict[tuple[int, int], Tensor] = {}  # static predicted ids [T, K]
         self._ahead: list[torch.cuda.Event | None] = [None] * layers  # copies ahead, per layer
@@ -343,8 +344,12 @@ class OffloadEngine(DecodeObserver):
         on_cpu[plan.cpu_experts] = True
         slots = torch.from_numpy(np.where(on_cpu[ids_np], ids_np, -1))  # [T, K]
         x_host, copied = x, None  # [T, H]
-        if self.cuda:
-            x_host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        if self.cuda:  # one buffer per shape: a layer's job is done before the next one starts
+            x_host = self._x_host.get(x.shape)
+            if x_host is None:
+                x_host = self._x_host[x.shape] = torch.empty(
+                    x.shape, dtype=x.dtype, pin_memory=True
+                )
             x_host.copy_(x, non_blocking=True)
             copied = self._timing.record(self._compute)
         return CpuJob(layer, x_host, slots, torch.from_numpy(w_np), copied, plan.cpu_tokens)
