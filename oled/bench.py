@@ -273,7 +273,8 @@ def _offload_summary(per_run: list[dict]) -> dict[str, float]:
     decode = with_rates(_sum(per_run, "decode"))
     n = max(1, sum(o["decode"]["iterations"] for o in per_run))
     out = {key: decode[key] for key in (
-        "hit_rate", "cpu_share", "host_us_per_layer", "plan_us_per_layer", "sync_us_per_layer",
+        "hit_rate", "cpu_share", "host_us_per_layer", "plan_us_per_layer", "launch_us_per_layer",
+        "pass_us_per_layer", "sync_us_per_layer",
     )}  # fmt: skip
     for key in ("copies", "copy_bytes", "cpu_experts", "stall_ms", "copy_ms", "predicted"):
         out[f"{key}_per_iteration"] = decode[key] / n
@@ -338,7 +339,7 @@ def table(rows: list[dict[str, Any]]):
         "copy ms/it",
         "copy GB/s",
         "host µs/layer",
-        "plan µs/layer",
+        "plan/launch/pass µs",
         "sync µs/layer",
     ] * offload
     cols += ["ahead/it (used)"] * ahead
@@ -362,7 +363,7 @@ def table(rows: list[dict[str, Any]]):
                       _fmt(o.get("copy_ms_per_iteration"), "{:.2f}"),
                       _fmt(o.get("copy_gb_per_s"), "{:.1f}"),
                       _fmt(o.get("host_us_per_layer"), "{:.0f}"),
-                      _fmt(o.get("plan_us_per_layer"), "{:.0f}"),
+                      _host_split(o),
                       _fmt(o.get("sync_us_per_layer"), "{:.0f}")]  # fmt: skip
         if ahead:
             used = o.get("predicted_used")
@@ -408,6 +409,12 @@ def host_table(rows: list[dict[str, Any]], columns: int = 12):
         host = r.get("host_ms_per_iteration", {})
         out.add_row(r["label"], *(_fmt(host.get(n), "{:.3f}") for n in names))
     return out
+
+
+def _host_split(offload: dict) -> str:
+    """The planner's, the copy launches' and the passes' parts of the host path, µs per layer."""
+    parts = [offload.get(f"{k}_us_per_layer") for k in ("plan", "launch", "pass")]
+    return "n/a" if None in parts else "/".join(f"{v:.0f}" for v in parts)
 
 
 def _fmt(value: float | None, pattern: str = "{:.1f}", scale: float = 1.0) -> str:

@@ -198,7 +198,7 @@ def bench(
         del rt
         gc.collect()
     rows = b.with_ratios(rows)
-    out = Console(highlight=False, width=max(215, Console().width))  # 16 columns fit
+    out = Console(highlight=False, width=max(225, Console().width))  # 16 columns fit
     out.print(b.table(rows))
     if any("stages_ms_per_iteration" in r for r in rows):
         out.print(b.stage_table(rows))

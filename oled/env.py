@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+
+def cache_home() -> Path:
+    """Where built-in models and built code are kept: $OLED_HOME, else ~/.cache/oled."""
+    return Path(os.environ.get("OLED_HOME") or Path.home() / ".cache" / "oled")
+
+
 PACKAGES = ("oled-moe", "safetensors", "tokenizers", "numpy", "pydantic", "typer",
             "rich", "fastapi", "uvicorn", "mlflow-skinny", "mlflow", "optuna", "matplotlib",
             "triton")  # fmt: skip
@@ -57,6 +63,18 @@ def cpu_rows(report: Report) -> None:
     report.add("torch threads", torch.get_num_threads())
     report.add("AMX", ", ".join(amx) if amx else ("no" if flags else "unknown"))
     report.add("AVX-512", "yes" if "avx512f" in flags else ("no" if flags else "unknown"))
+    report.add("host planner", planner_row())
+
+
+def planner_row() -> str:
+    """Whether the offload engine plans compiled (oled.offload.native) or in Python."""
+    from oled.offload import native
+
+    try:
+        native.library()
+    except native.NativeUnavailable as e:
+        return f"Python (compiled planner unavailable: {e})"
+    return "compiled (built-in policies; policies of one's own in Python)"
 
 
 def cuda_rows(report: Report, *, bandwidth: bool) -> None:
@@ -94,7 +112,8 @@ def copies_row() -> str:
 
     path = copies.runtime_library()
     if path:
-        return f"cudaMemcpyAsync through {path}"
+        call = "cudaMemcpyBatchAsync" if copies.runtime_memcpy_batch() else "cudaMemcpyAsync"
+        return f"{call} through {path}"
     return "torch's copy_ (no CUDA runtime library found in this process)"
 
 

@@ -109,6 +109,7 @@ class RuntimeSection(Strict):
     cost: str = "calibrate"  # "calibrate" or a cost profile name such as "h200"
     cuda_graphs: bool = True  # replay forwards as CUDA graphs on CUDA (the same tokens)
     kernels: Literal["auto", "triton", "torch"] = "auto"  # fused Triton kernels on CUDA
+    planner: Literal["auto", "compiled", "python"] = "auto"  # host decisions (same decisions)
 
     @field_validator("device")
     @classmethod

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -16,6 +15,7 @@ import torch
 from oled import kernels as fused_kernels
 from oled.decoding import BlockDecoder, BlockInfo, DecodeConfig, DecodeObserver, GenerationStats
 from oled.decoding.follow import Trajectory
+from oled.env import cache_home
 from oled.model.checkpoint import Checkpoint, load_checkpoint
 from oled.model.experts import ResidentExperts
 from oled.model.graphs import EagerForward, GraphedForward
@@ -40,11 +40,6 @@ RESIDENT_SUMMARY = {
     "copy_bytes": 0.0, "cpu_experts": 0.0, "gpu_experts": 0.0, "cpu_share": 0.0,
     "stall_ms": 0.0, "per_layer": [],
 }  # fmt: skip
-
-
-def cache_home() -> Path:
-    """Where built-in models are kept: $OLED_HOME, else ~/.cache/oled."""
-    return Path(os.environ.get("OLED_HOME") or Path.home() / ".cache" / "oled")
 
 
 def shipped_default() -> Path | None:
@@ -257,6 +252,7 @@ def build_runtime(
     progress: bool = False,
     graphs: bool = True,
     kernels: str = "auto",
+    planner: str = "auto",
 ) -> Runtime:
     """Load a model under a GPU budget with the given policies (missing ones get OLED's).
 
@@ -265,7 +261,8 @@ def build_runtime(
     unless `graphs` is False (the same tokens either way), and the hot stages run as fused
     Triton kernels unless `kernels` is "torch" (oled.kernels). `prefetch` > 0 copies up to
     that many experts per MoE layer a layer ahead, from the next layer's predicted routing
-    (oled.offload.predict).
+    (oled.offload.predict). `planner` "auto" plans compiled where it can (oled.offload.native),
+    "compiled" insists on it, "python" keeps the Python planner: the same decisions either way.
     """
     from oled.model.config import ModelConfig
     from oled.offload.budget import total_slots
@@ -296,10 +293,10 @@ def build_runtime(
             checkpoint=ckpt, device=dev, executor=executor, decode=decode, graphs=graphs,
             kernels=kernels,
         )  # fmt: skip
-    planner = make_planner(
-        ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost, prefetch
-    )
-    engine = make_engine(ckpt, dev, planner)
+    engine = make_engine(ckpt, dev, make_planner(
+        ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost, prefetch,
+        planner,
+    ))  # fmt: skip
     return Runtime(
         checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine],
         graphs=graphs, kernels=kernels,
@@ -313,6 +310,9 @@ def make_engine(ckpt: Checkpoint, dev: torch.device, planner: Planner) -> Offloa
     return OffloadEngine(store=ckpt.experts, device=dev, planner=planner, predict=predict)
 
 
+PLANNER_MODES = {"auto": None, "compiled": True, "python": False}
+
+
 def make_planner(
     ckpt: Checkpoint,
     dev,
@@ -323,9 +323,14 @@ def make_planner(
     compensation,
     cost,
     prefetch: int = 0,
+    planner: str = "auto",
 ) -> Planner:
-    """A planner with the given policies; OLED's own where one is not given."""
+    """A planner with the given policies; OLED's own where one is not given; compiled or in
+    Python as `planner` says ("auto", "compiled", "python")."""
     from oled.policies import with_oled_defaults
+
+    if planner not in PLANNER_MODES:
+        raise ValueError(f"unknown planner {planner!r}: choose from {', '.join(PLANNER_MODES)}")
 
     if isinstance(cost, str):
         if cost == "calibrate":
@@ -343,6 +348,7 @@ def make_planner(
         stage_capacity=stage_capacity,
         prefetch_limit=prefetch,
         cost=cost,
+        compiled=PLANNER_MODES[planner],
         **with_oled_defaults(allocation=allocation, retention=retention, compensation=compensation),
     )
 

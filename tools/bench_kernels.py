@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -165,6 +166,34 @@ def copy_rows() -> list[tuple[str, float]]:
         rows.append((f"pinned copy, {label}: GB/s", nbytes / ms / 1e6))
         if "128" in label:
             rows.append((f"pinned copy, {label}: host µs per copy", 1e6 * host_s / 128))
+    return rows + launch_rows(src, dst, stream)
+
+
+def launch_rows(src: Rows, dst: Rows, stream: torch.cuda.Stream) -> list[tuple[str, float]]:
+    """Host µs of one `copies.launch` of n experts (median of 30 onto an idle stream), one
+    batched call against one call per expert and table, and the copy rate of each."""
+    rows: list[tuple[str, float]] = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for batched in (True, False):
+        copies.use_batches(batched)
+        mode = "batched" if batched else "one call each"
+        for n in (1, 2, 4, 8, 16, 32):
+            experts = np.arange(n)
+            spent = []
+            for _ in range(30):
+                stream.synchronize()
+                t0 = time.perf_counter()
+                copies.launch(src, dst, experts, experts, stream)
+                spent.append(time.perf_counter() - t0)
+            rows.append((f"launch {n} experts, {mode}: host µs", 1e6 * float(np.median(spent))))
+        with torch.cuda.stream(stream):
+            start.record()
+            copies.launch(src, dst, np.arange(32), np.arange(32), stream)
+            end.record()
+        end.synchronize()
+        gb = 32 * (src.size[0] + src.size[1]) / start.elapsed_time(end) / 1e6
+        rows.append((f"launch 32 experts, {mode}: GB/s", gb))
+    copies.use_batches(True)
     return rows
 
 

@@ -40,6 +40,7 @@ from oled.model.checkpoint import load_checkpoint  # noqa: E402
 from oled.model.experts import ResidentExperts  # noqa: E402
 from oled.model.presets import init_checkpoint  # noqa: E402
 from oled.offload.budget import Budget, total_slots  # noqa: E402
+from oled.offload.copies import use_batches  # noqa: E402
 from oled.policies import ANCHORS, anchor_policies  # noqa: E402
 from oled.policies import allocation as A  # noqa: E402
 from oled.policies import compensation as C  # noqa: E402
@@ -97,6 +98,17 @@ def main() -> None:
         action="store_false",
         help="let each row commit its own tokens (by default rows follow the first row's)",
     )
+    ap.add_argument(
+        "--planner",
+        default="auto",
+        help="comma-separated host planners per row: auto, compiled, python (the same decisions)",
+    )
+    ap.add_argument(
+        "--copies",
+        default="batched",
+        help="comma-separated copy launches per row: batched (one call per layer), each (one "
+        "call per expert and table)",
+    )
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--cost", default="calibrate", help="cost model: calibrate or a profile")
     ap.add_argument("--trace", default=None, help="record the resident run's routing here")
@@ -150,14 +162,18 @@ def main() -> None:
         budget = Budget("expert_fraction", frac)
         slots = total_slots(budget, ckpt.config, dtype=torch.bfloat16, device=dev)
         ahead = [int(n) for n in args.prefetch.split(",")]
-        for name, graphs, kernels, prefetch in [
-            (n, g, k, a) for n in names for g in modes for k in kernel_modes for a in ahead
-        ]:
+        planners, launches = args.planner.split(","), args.copies.split(",")
+        for name, graphs, kernels, prefetch, plans, batched in [
+            (n, g, k, a, pl, c == "batched")
+            for n in names for g in modes for k in kernel_modes for a in ahead for pl in planners
+            for c in launches
+        ]:  # fmt: skip
+            use_batches(batched)
             p = CONFIGS[name]()
             use_kernels(kernels)  # the cost calibration times the kernels the row runs
             planner = make_planner(
                 ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], args.cost,
-                prefetch,
+                prefetch, plans,
             )  # fmt: skip
             engine = make_engine(ckpt, dev, planner)
             observers = [engine]
@@ -169,6 +185,8 @@ def main() -> None:
             label = f"{name} @ {frac:g}" + ("" if graphs else " eager") + suffix(kernels)
             label += f" ahead {prefetch}" if prefetch else ""
             label += " recorded" if prefetch and oracle is not None else ""
+            label += "" if planner.compiled else " python-planner"
+            label += "" if batched else " copies-each"
             rows.append(
                 bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), label, trajectory)
             )

@@ -7,6 +7,9 @@ times the planner alone on that recorded routing instead, decode forwards only (
 which runs the prompt, is left out), as `oled bench` reports `plan µs/layer` in place: the two
 figures on one host show what running between the engine's launches costs the planner.
 
+Each configuration is timed with the Python planner and the compiled one (oled.offload.native),
+which decide alike.
+
 Usage: PYTHONPATH=. python tools/bench_planner.py [--steps 200] [--trace FILE]
 """
 
@@ -80,25 +83,35 @@ def bench(name: str, routed: tuple[np.ndarray, np.ndarray], args) -> None:
     print(f"{name}: {distinct:.0f} distinct experts per layer per forward")
     load = Load()
     for anchor in ANCHORS:
-        us, hit_rate, misses = min(run(anchor, ids, weights, args.slots_per_layer, load)
-                                   for _ in range(3))  # fmt: skip
-        print(f"  {anchor:10s} {us:6.1f} us per plan  hit rate {hit_rate:.3f}  "
-              f"misses per plan {misses:.1f}")  # fmt: skip
+        for compiled in PLANNERS:
+            us, hit_rate, misses = min(
+                run(anchor, compiled, ids, weights, args.slots_per_layer, load) for _ in range(3)
+            )
+            print(f"  {anchor:10s} {PLANNERS[compiled]:8s} {us:6.1f} us per plan  "
+                  f"hit rate {hit_rate:.3f}  misses per plan {misses:.1f}")  # fmt: skip
 
 
-def fresh_planner(anchor: str, layers: int, experts: int, top_k: int, slots: int) -> Planner:
+PLANNERS = {False: "python", True: "compiled"}
+
+
+def fresh_planner(
+    anchor: str, layers: int, experts: int, top_k: int, slots: int, compiled: bool
+) -> Planner:
     """A planner with the anchor configuration's fresh policies, `slots` per layer, an 8-slot
-    stage and the H200 cost profile."""
+    stage and the H200 cost profile, compiled or in Python."""
     return Planner(
         num_layers=layers, num_experts=experts, top_k=top_k, total_slots=layers * slots,
         stage_capacity=8, **anchor_policies(anchor), cost=CostModel.profile("h200"),
+        compiled=compiled,
     )  # fmt: skip
 
 
-def run(name: str, ids, weights, slots_per_layer: int, load: Load) -> tuple[float, float, float]:
+def run(
+    name: str, compiled: bool, ids, weights, slots_per_layer: int, load: Load
+) -> tuple[float, float, float]:
     """One pass over the routing with fresh policies: (us per plan, hit rate, misses per plan)."""
     steps, layers, _, k = ids.shape
-    planner = fresh_planner(name, layers, 256, k, slots_per_layer)
+    planner = fresh_planner(name, layers, 256, k, slots_per_layer, compiled)
     t0 = time.perf_counter()
     for s in range(steps):
         planner.begin_step(step=s, block=s // 8)
@@ -115,15 +128,16 @@ def bench_trace(trace: Trace, slots_per_layer: int) -> None:
     steps = [(ctx, routing) for ctx, routing in trace]
     print(f"trace: {len(steps)} forwards x {m.num_moe_layers} MoE layers, {m.num_experts} experts")
     for anchor in ANCHORS:
-        us = min(replay(anchor, steps, m, slots_per_layer) for _ in range(3))
-        print(f"  {anchor:10s} {us:6.1f} us per decode plan")
+        for compiled in PLANNERS:
+            us = min(replay(anchor, compiled, steps, m, slots_per_layer) for _ in range(3))
+            print(f"  {anchor:10s} {PLANNERS[compiled]:8s} {us:6.1f} us per decode plan")
 
 
-def replay(anchor: str, steps, meta, slots_per_layer: int) -> float:
+def replay(anchor: str, compiled: bool, steps, meta, slots_per_layer: int) -> float:
     """One pass with fresh policies, as the engine drives the planner (begin_step, a plan per
     layer, observe after the forward, end_block between blocks): us per decode plan."""
     planner = fresh_planner(
-        anchor, meta.num_moe_layers, meta.num_experts, meta.top_k, slots_per_layer
+        anchor, meta.num_moe_layers, meta.num_experts, meta.top_k, slots_per_layer, compiled
     )
     spent, block = 0.0, None
     for s, (ctx, routing) in enumerate(steps):

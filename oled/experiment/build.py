@@ -49,6 +49,7 @@ def build(recipe: Recipe, *, graphs: bool = True, kernels: str | None = None) ->
         decode=DecodeConfig(**recipe.decoding.model_dump()),
         graphs=graphs and rt.cuda_graphs,
         kernels=kernels or rt.kernels,
+        planner=rt.planner,
         **optional,
         **policies,
     )

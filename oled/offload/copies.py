@@ -1,12 +1,13 @@
 """Copies on the offload engine's hot path: expert rows between weight tables, and whole
 tensors between the device and pinned host memory (the routing, the slot maps).
 
-A table pair is an expert's (or a slot's) w13 [S, 2I, H] and w2 [S, H, I] tables. On CUDA each
-row copy goes to the CUDA runtime's cudaMemcpyAsync directly (about 4 µs of host time each on
-an H200 machine); through torch's copy_ one costs 6.5-9 µs there (operator dispatch, a
-pinned-memory check and an event for the host allocator), which the host path of a layer with
-many misses pays dozens of times (docs/performance.md, run 8). Where the runtime library cannot
-be found, or off CUDA, torch's `_foreach_copy_` does it.
+A table pair is an expert's (or a slot's) w13 [S, 2I, H] and w2 [S, H, I] tables. On CUDA the
+row copies of a launch go to the CUDA runtime in one cudaMemcpyBatchAsync call (CUDA 12.8 and
+later), else one cudaMemcpyAsync per row and table (about 4 µs of host time each on an H200
+machine); through torch's copy_ one costs 6.5-9 µs there (operator dispatch, a pinned-memory
+check and an event for the host allocator), which the host path of a layer with many misses
+pays dozens of times (docs/performance.md, runs 8 and 12). Where the runtime library cannot be
+found, or off CUDA, torch's `_foreach_copy_` does it.
 The sources are pinned expert tables that live as long as the engine, so no allocator event is
 needed to keep them alive.
 """
@@ -17,6 +18,7 @@ import ctypes
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,20 +51,36 @@ class Rows:
         )
 
 
+_batching = True
+
+
+def use_batches(on: bool) -> None:
+    """Launch a copy's rows in one batched call where the runtime has it (True, the default)
+    or one call per row and table (False: for comparisons)."""
+    global _batching
+    _batching = on
+
+
 def launch(
-    src: Rows, dst: Rows, rows: list[int], into: list[int], stream: torch.cuda.Stream | None
+    src: Rows, dst: Rows, rows: np.ndarray, into: np.ndarray, stream: torch.cuda.Stream | None
 ) -> None:
-    """Copy src rows `rows` into dst rows `into` (both tables), on `stream` (None: at once)."""
+    """Copy src rows `rows` into dst rows `into` (both tables; int arrays or lists), on
+    `stream` (None: at once)."""
     memcpy = _runtime_for(stream)
     if memcpy is None:
-        _torch_copies(src, dst, rows, into, stream)
+        _torch_copies(src, dst, list(rows), list(into), stream)
+        return
+    handle = ctypes.c_void_p(stream.cuda_stream)
+    batch = runtime_memcpy_batch() if _batching and len(rows) > 1 else None
+    if batch is not None and stream.cuda_stream:  # not on the legacy default stream (0)
+        # one call: about as long as two single copies' launches
+        _check(batch(src, dst, rows, into, handle), "cudaMemcpyBatchAsync")
         return
     kind = _DEVICE_TO_DEVICE if src.on_cuda else _HOST_TO_DEVICE
-    handle = ctypes.c_void_p(stream.cuda_stream)
     for t in (0, 1):
         s_base, d_base, size = src.base[t], dst.base[t], src.size[t]
         for r, i in zip(rows, into, strict=True):
-            _check(memcpy(d_base + i * size, s_base + r * size, size, kind, handle))
+            _check(memcpy(d_base + int(i) * size, s_base + int(r) * size, size, kind, handle))
 
 
 def transfer(dst: Tensor, src: Tensor, stream: torch.cuda.Stream | None) -> None:
@@ -89,9 +107,9 @@ def _runtime_for(stream: torch.cuda.Stream | None):
     return runtime_memcpy()
 
 
-def _check(err: int) -> None:
+def _check(err: int, call: str = "cudaMemcpyAsync") -> None:
     if err:
-        raise RuntimeError(f"cudaMemcpyAsync failed: {_error_string(err)}")
+        raise RuntimeError(f"{call} failed: {_error_string(err)}")
 
 
 def _torch_copies(src: Rows, dst: Rows, rows, into, stream) -> None:
@@ -117,6 +135,64 @@ def runtime_memcpy():
     ]  # fmt: skip
     fn.restype = ctypes.c_int
     return fn
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """cudaMemcpyAttributes (CUDA 12.8+)."""
+
+    _fields_ = [
+        ("src_access_order", ctypes.c_int), ("src_loc_hint", _MemLocation),
+        ("dst_loc_hint", _MemLocation), ("flags", ctypes.c_uint),
+    ]  # fmt: skip
+
+
+_SRC_ACCESS_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources read in stream order
+
+
+class _BatchCopy:
+    """cudaMemcpyBatchAsync over the rows of both tables: its CUDA 13 form, or CUDA 12.8-12.9's
+    with a failure index."""
+
+    def __init__(self, fn, fail_index: bool) -> None:
+        self.fn = fn
+        self.failed_at = ctypes.c_size_t(0)
+        self.fail = [ctypes.byref(self.failed_at)] if fail_index else []
+        self.attributes = _MemcpyAttributes(src_access_order=_SRC_ACCESS_STREAM)
+        self.attrs = ctypes.byref(self.attributes)  # one set for every copy
+        self.attr_index = (ctypes.c_size_t * 1)(0)
+
+    def __call__(self, src: Rows, dst: Rows, rows, into, handle: ctypes.c_void_p) -> int:
+        # plain ints and ctypes arrays: a handful of numpy calls would cost more on this path
+        rows, into = [int(r) for r in rows], [int(i) for i in into]  # [N]
+        (s13, s2), (d13, d2), (z13, z2) = src.base, dst.base, src.size
+        pairs = ctypes.c_uint64 * (2 * len(rows))  # [2N]: the w13 rows, then the w2 rows
+        srcs = pairs(*[s13 + r * z13 for r in rows], *[s2 + r * z2 for r in rows])
+        dsts = pairs(*[d13 + i * z13 for i in into], *[d2 + i * z2 for i in into])
+        sizes = pairs(*[z13] * len(rows), *[z2] * len(rows))
+        return self.fn(
+            dsts, srcs, sizes, len(sizes), self.attrs, self.attr_index, 1, *self.fail, handle
+        )
+
+
+@cache
+def runtime_memcpy_batch() -> _BatchCopy | None:
+    """cudaMemcpyBatchAsync of the CUDA runtime this torch loaded (12.8 or later), or None."""
+    found = _runtime_library()
+    if found is None or not hasattr(found[0], "cudaMemcpyBatchAsync"):
+        return None
+    version = ctypes.c_int(0)
+    if found[0].cudaRuntimeGetVersion(ctypes.byref(version)) or version.value < 12080:
+        return None
+    fn = found[0].cudaMemcpyBatchAsync
+    fail_index = version.value < 13000  # CUDA 13 dropped the failure-index argument
+    p, n = ctypes.c_void_p, ctypes.c_size_t
+    fn.argtypes = [p, p, p, n, p, p, n, *([p] if fail_index else []), p]
+    fn.restype = ctypes.c_int
+    return _BatchCopy(fn, fail_index)
 
 
 def runtime_library() -> str | None:

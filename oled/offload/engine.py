@@ -29,10 +29,8 @@ from oled.model.model import MoERequest
 from oled.model.stages import stage
 from oled.offload.copies import Rows, launch, transfer
 from oled.offload.metrics import EngineMetrics
-from oled.offload.planner import LayerPlan, Planner, Resize
+from oled.offload.planner import COPIED, HIT, STAGED, LayerPlan, Planner, Resize
 from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, StepContext
-
-HIT, COPIED, STAGED = 0, 1, 2  # rows of the per-layer expert -> slot maps; STAGED + round
 
 
 class OffloadEngine(DecodeObserver):
@@ -72,7 +70,7 @@ class OffloadEngine(DecodeObserver):
         if self.cuda:
             self._maps_host = self._maps_host.pin_memory()
         self._maps_dev = torch.full((layers, rows, self.num_experts), -1, device=device)
-        self._maps_np = self._maps_host.numpy()  # [L, rows, E] view of the pinned buffer
+        planner.attach_maps(self._maps_host.numpy())  # plans write the maps straight into it
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._stage_free: torch.cuda.Event | None = None
         self.metrics = EngineMetrics(layers)
@@ -156,11 +154,13 @@ class OffloadEngine(DecodeObserver):
             ready = self._copy(layer, plan)  # first: the copies are the longest path
             if next_np is not None:
                 self._copy_ahead(layer + 1, next_np)
+            t3 = time.perf_counter()
             cpu_job = self._cpu_job(layer, r.x, ids_np, w_np, plan)
             maps = self._upload_maps(layer, plan)  # [rows, E] on the device
+        t4 = time.perf_counter()
         with stage("grouped GEMM"):
             pairs = self._gpu_pairs(r, maps, plan, ready, into)  # [T, K, H] fp32
-        self._account(layer, plan, t1 - t0, t2 - t1, time.perf_counter() - t1)
+        self._account(layer, plan, (t0, t1, t2, t3, t4, time.perf_counter()))
         if cpu_job is not None:
             with stage("CPU experts"):
                 self._cpu_pairs(cpu_job, pairs, t2)
@@ -219,21 +219,9 @@ class OffloadEngine(DecodeObserver):
         return out
 
     def _upload_maps(self, layer: int, plan: LayerPlan) -> Tensor:
-        """expert -> slot for hits, for experts copied into the cache now, and for each round of
-        staged experts: rows HIT, COPIED, STAGED + round, sent in one copy from pinned memory."""
-        stage = self.planner.stage_capacity
-        rounds = -(-len(plan.stage_experts) // stage) if stage else 0
-        used = STAGED + rounds
-        maps = self._maps_np[layer, :used]  # [used, E] view of the pinned buffer
-        maps.fill(-1)
-        maps[HIT] = plan.slot_of
-        if len(plan.copy_experts):
-            maps[COPIED, plan.copy_experts] = plan.copy_slots
-            maps[HIT, plan.copy_experts] = -1
-        if rounds:
-            rows = STAGED + np.arange(len(plan.stage_experts)) // stage
-            maps[rows, plan.stage_experts] = plan.stage_slots
-        dev = self._maps_dev[layer]
+        """Send the expert -> slot maps that the plan wrote into the pinned buffer (rows HIT,
+        COPIED, STAGED + round; oled.offload.planner.write_maps) in one copy."""
+        dev, used = self._maps_dev[layer], plan.map_rows
         transfer(dev[:used], self._maps_host[layer, :used], self._compute)
         return dev
 
@@ -333,7 +321,7 @@ class OffloadEngine(DecodeObserver):
         """One copy per tensor of each expert, host (pinned) -> slot rows of `rows` (a w13
         table and its w2 table), on the copy stream (oled.offload.copies)."""
         with stage("copies"):
-            launch(self._src_rows[layer], rows, experts.tolist(), slots.tolist(), self.copy_stream)
+            launch(self._src_rows[layer], rows, experts, slots, self.copy_stream)
 
     def _cpu_job(self, layer, x, ids_np, w_np, plan) -> CpuJob | None:
         """This layer's CPU experts, their activations on the way to pinned host memory without
@@ -375,11 +363,11 @@ class OffloadEngine(DecodeObserver):
         dev = self.device
         flat.index_add_(0, index.to(dev, non_blocking=True), rows.to(dev, non_blocking=True))
 
-    def _account(
-        self, layer: int, plan: LayerPlan, sync_s: float, plan_s: float, host_s: float
-    ) -> None:
-        """Count the layer's plan; sync_s: routing to host, host_s: decisions and launches,
-        plan_s: the planner's part of host_s."""
+    def _account(self, layer: int, plan: LayerPlan, stamps: tuple[float, ...]) -> None:
+        """Count the layer's plan and time its host path from the clock's `stamps`: start,
+        routing on the host, planned, copies launched, CPU job and maps sent, passes
+        launched."""
+        t0, t1, t2, t3, t4, t5 = stamps
         n_copy = len(plan.copy_experts) + len(plan.stage_experts)
         self.metrics.add(
             layer,
@@ -392,9 +380,11 @@ class OffloadEngine(DecodeObserver):
             cpu_tokens=int(plan.cpu_tokens.sum()),
             gpu_experts=len(plan.gpu_experts) + len(plan.stage_experts),
             predicted_hits=plan.predicted_hits,
-            sync_ms=1000 * sync_s,
-            plan_ms=1000 * plan_s,
-            host_ms=1000 * host_s,
+            sync_ms=1000 * (t1 - t0),
+            plan_ms=1000 * (t2 - t1),
+            launch_ms=1000 * (t3 - t2),
+            pass_ms=1000 * (t5 - t4),
+            host_ms=1000 * (t5 - t1),
             calls=1,
         )
 

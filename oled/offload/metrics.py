@@ -6,8 +6,8 @@ import numpy as np
 
 FIELDS = (
     "hits", "misses", "copies", "copy_bytes", "staged", "cpu_experts", "cpu_tokens",
-    "gpu_experts", "stall_ms", "copy_ms", "cpu_ms", "sync_ms", "plan_ms", "host_ms", "calls",
-    "predicted", "predicted_hits",
+    "gpu_experts", "stall_ms", "copy_ms", "cpu_ms", "sync_ms", "plan_ms", "launch_ms", "pass_ms",
+    "host_ms", "calls", "predicted", "predicted_hits",
 )  # fmt: skip
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
@@ -20,8 +20,10 @@ class EngineMetrics:
     copy_ms the copy stream's busy time; cpu_ms the host's CPU-expert time; sync_ms the wait
     for the routing to reach the host (the layer's one sync, which also waits for the GPU work
     queued before it); host_ms the host decision path after it (planning, launching copies,
-    compute and CPU experts), plan_ms the planner's part of it (the policies' decisions);
-    calls the layer calls; predicted the copies made a layer ahead from the predicted routing
+    compute and CPU experts), and of it plan_ms the planner's part (the policies' decisions),
+    launch_ms launching the copies (into the cache and a layer ahead), pass_ms launching the
+    expert passes (staged rounds with their copies included); the rest sends the slot maps
+    and hands the CPU its experts; calls the layer calls; predicted the copies made a layer ahead from the predicted routing
     (also in copies, counted for the layer they fill), predicted_hits those the layer then
     needed.
 
@@ -76,14 +78,15 @@ class EngineMetrics:
 
 
 def with_rates(totals: dict) -> dict:
-    """Totals (FIELDS) plus hit_rate, cpu_share and host/sync/plan microseconds per layer call."""
+    """Totals (FIELDS) plus hit_rate, cpu_share and microseconds per layer call of the host
+    path and its parts (host, sync, plan, launch, pass)."""
     out = dict(totals)
     requests = out["hits"] + out["misses"]
     out["hit_rate"] = out["hits"] / requests if requests else 1.0
     experts = out["gpu_experts"] + out["cpu_experts"]
     out["cpu_share"] = out["cpu_experts"] / experts if experts else 0.0
     calls = max(1.0, out["calls"])
-    for name in ("host", "sync", "plan"):
+    for name in ("host", "sync", "plan", "launch", "pass"):
         out[f"{name}_us_per_layer"] = 1000 * out[f"{name}_ms"] / calls
     return out
 

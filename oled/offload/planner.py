@@ -7,9 +7,11 @@ and updates the layer's slot maps. Layers are MoE-layer indices in [0, num_layer
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +25,10 @@ from oled.policies.base import (
     StepContext,
 )
 
+if TYPE_CHECKING:
+    from oled.offload.native import CompiledPlan
+
+HIT, COPIED, STAGED = 0, 1, 2  # rows of a layer's expert -> slot maps; STAGED + round
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY_F = np.zeros(0, np.float64)
 _NO_LOAD = Load()
@@ -84,6 +90,23 @@ class LayerPlan:
     misses: np.ndarray
     evicted: np.ndarray  # experts dropped from the cache by this plan's copies
     predicted_hits: int = 0  # needed experts that were copied ahead for this forward
+    map_rows: int = 0  # slot-map rows written (Planner.attach_maps), else 0
+
+
+def write_maps(maps: np.ndarray, plan: LayerPlan, stage_capacity: int) -> int:
+    """The plan's expert -> slot maps into `maps` [R, E]: row HIT the slot of each cached
+    expert not copied by this plan, COPIED the slots of the experts copied now, STAGED + r the
+    stage slots of round r's staged experts; -1 elsewhere. Returns the rows written."""
+    stage = plan.stage_experts
+    rows = STAGED + (-(-len(stage) // stage_capacity) if stage_capacity else 0)
+    maps[HIT] = plan.slot_of
+    maps[COPIED:rows] = -1
+    if len(plan.copy_experts):
+        maps[HIT, plan.copy_experts] = -1
+        maps[COPIED, plan.copy_experts] = plan.copy_slots
+    if len(stage):
+        maps[STAGED + np.arange(len(stage)) // stage_capacity, stage] = plan.stage_slots
+    return rows
 
 
 @dataclass
@@ -113,11 +136,12 @@ class PlannerStats:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self.rows = [[0] * len(_COUNTERS) for _ in range(num_layers)]  # plain ints: cheap updates
+        self.compiled = np.zeros((num_layers, len(_COUNTERS)), np.int64)  # the compiled plans'
 
     def __getattr__(self, name: str) -> np.ndarray:
         if name in _COUNTERS:
             i = _COUNTERS.index(name)
-            return np.array([r[i] for r in self.rows], np.int64)
+            return np.array([r[i] for r in self.rows], np.int64) + self.compiled[:, i]
         raise AttributeError(name)
 
     @staticmethod
@@ -194,6 +218,7 @@ class Planner:
         cost: CostModel,
         stats_alpha: float = 0.2,
         prefetch_limit: int = 0,
+        compiled: bool | None = None,
     ) -> None:
         if total_slots < num_layers:
             raise ValueError(
@@ -213,10 +238,10 @@ class Planner:
         self.block = 0
         self.gpu_only = False  # every miss copied, whatever the compensation says
         self.stats = PlannerStats(num_layers)
-        self._ws = [0.0] * num_layers  # EMA of distinct experts per forward (plain floats: cheap)
-        self._reuse = [0.0] * num_layers  # EMA of overlap with the previous forward
-        self._samples = [0] * num_layers
-        self._prev_used = [np.zeros(num_experts, np.int64)] * num_layers  # [E] per layer
+        self._ws = np.zeros(num_layers)  # [L] EMA of distinct experts per forward
+        self._reuse = np.zeros(num_layers)  # [L] EMA of overlap with the previous forward
+        self._samples = np.zeros(num_layers, np.int64)  # [L]
+        self._prev_used = np.zeros((num_layers, num_experts), np.int64)  # [L, E] token counts
         retention.reset(num_layers=num_layers, num_experts=num_experts)
         compensation.reset(num_layers=num_layers, num_experts=num_experts)
         self.capacities = self._allocate(None)
@@ -225,6 +250,47 @@ class Planner:
             warm = compensation.prefill(layer=layer, capacity=cap)
             if warm is not None:
                 self.prefill(layer, warm)
+        self._maps: np.ndarray | None = None
+        self.native = self._compile(compiled)
+
+    def _compile(self, compiled: bool | None) -> CompiledPlan | None:
+        """The compiled plan when wanted (None: where available) and the policies allow it."""
+        if compiled is False:
+            return None
+        from oled.offload import native
+
+        why = native.unsupported(self.retention, self.compensation)
+        if why is not None:  # policies of one's own plan in Python
+            if compiled:
+                raise native.NativeUnavailable(f"compiled planner unavailable: {why}")
+            return None
+        try:
+            return native.CompiledPlan(self)
+        except native.NativeUnavailable as e:
+            if compiled:
+                raise
+            warnings.warn(f"compiled planner unavailable, planning in Python: {e}", stacklevel=3)
+            return None
+
+    def attach_maps(self, maps: np.ndarray) -> None:
+        """From now on every plan also writes its layer's expert -> slot maps into `maps`
+        [L, R, E] int64 (C-contiguous, R >= STAGED + the most stage rounds; see write_maps)
+        and says in `map_rows` how many rows it wrote."""
+        if maps.dtype != np.int64 or not maps.flags.c_contiguous or maps.ndim != 3:
+            raise ValueError("slot maps must be a C-contiguous [L, R, E] int64 array")
+        rounds = -(-self.num_experts // self.stage_capacity) if self.stage_capacity else 0
+        need = (self.num_layers, STAGED + rounds, self.num_experts)
+        if maps.shape[0] != need[0] or maps.shape[1] < need[1] or maps.shape[2] != need[2]:
+            raise ValueError(f"slot maps of shape {maps.shape}: need [{need[0]}, >= {need[1]}, "
+                             f"{need[2]}]")  # fmt: skip
+        self._maps = maps
+        if self.native is not None:
+            self.native.attach_maps(maps)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether plans run compiled (oled.offload.native)."""
+        return self.native is not None
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -258,6 +324,8 @@ class Planner:
             if cap != self.capacities[layer]
         ]
         self.capacities = caps
+        if self.native is not None:
+            self.native.bind_caches()
         return resizes
 
     def _resize(self, layer: int, capacity: int) -> Resize:
@@ -330,6 +398,8 @@ class Planner:
         self, layer: int, ids: np.ndarray, weights: np.ndarray, load: Load | None = None
     ) -> LayerPlan:
         """Plan one MoE layer for one forward: routing ids/weights [T, K]."""
+        if self.native is not None:
+            return self.native.plan(layer, ids, weights, load)
         cache, ret = self.caches[layer], self.retention
         # few numpy calls: on the hot path each costs microseconds (its code is cold there)
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)  # [E] tokens per expert
@@ -385,7 +455,7 @@ class Planner:
         row[7] += len(cpu)
         row[8] += int(cpu_tokens.sum()) if len(cpu) else 0
         row[9] += len(victims)
-        return LayerPlan(
+        plan = LayerPlan(
             layer=layer,
             slot_of=cache.slot_of.copy(),
             gpu_experts=gpu,
@@ -400,6 +470,9 @@ class Planner:
             evicted=victims,
             predicted_hits=predicted_hits,
         )
+        if self._maps is not None:
+            plan.map_rows = write_maps(self._maps[layer], plan, self.stage_capacity)
+        return plan
 
     def predicts(self, layer: int) -> bool:
         """Whether the engine should predict `layer`'s routing in this forward (CopyAhead)."""
@@ -491,11 +564,12 @@ class Planner:
         return prefetch, protect, rest[copy], reuse[copy], rest[~copy]
 
     def _measure(self, layer: int, counts: np.ndarray, needed: np.ndarray) -> None:
-        n, k, a = len(needed), self._samples[layer], self.stats_alpha
-        self._ws[layer] = n if k == 0 else self._ws[layer] + a * (n - self._ws[layer])
+        n, k, a = len(needed), int(self._samples[layer]), self.stats_alpha
+        ws = float(self._ws[layer])
+        self._ws[layer] = n if k == 0 else ws + a * (n - ws)
         if k:  # overlap needs a previous forward
             overlap = int(np.count_nonzero(self._prev_used[layer][needed])) / n if n else 0.0
-            r = self._reuse[layer]
+            r = float(self._reuse[layer])
             self._reuse[layer] = overlap if k == 1 else r + a * (overlap - r)
         self._samples[layer] = k + 1
         self._prev_used[layer] = counts  # nonzero where used
@@ -504,7 +578,5 @@ class Planner:
     def layer_stats(self) -> LayerStats:
         """Measured working set and reuse per layer (what the allocation policy sees)."""
         return LayerStats(
-            working_set=np.array(self._ws),
-            reuse=np.array(self._reuse),
-            samples=np.array(self._samples, np.int64),
+            working_set=self._ws.copy(), reuse=self._reuse.copy(), samples=self._samples.copy()
         )

@@ -234,12 +234,13 @@ class StaticHot(CpuOnly):
     def __init__(self, *, counts: list[list[float]] | None = None, learn_blocks: int = 1) -> None:
         self.counts = None if counts is None else np.asarray(counts, np.float64)
         self.learn_blocks = learn_blocks
-        self._learned: dict[int, np.ndarray] = {}
-        self._loaded: set[int] = set()
+        self.reset(num_layers=0, num_experts=0)
 
     def reset(self, *, num_layers: int, num_experts: int) -> None:
         """Forget the learned profile."""
-        self._learned, self._loaded = {}, set()
+        self.learned = np.zeros((num_layers, num_experts))  # [L, E] token counts so far
+        self.seen = np.zeros(num_layers, np.uint8)  # [L] whether learned holds any forward
+        self.loaded = np.zeros(num_layers, np.uint8)  # [L] whether the hot set is loaded
 
     def _hot(self, counts: np.ndarray, capacity: int) -> np.ndarray:
         top = np.argsort(-counts, kind="stable")[:capacity]
@@ -249,18 +250,20 @@ class StaticHot(CpuOnly):
         """The profile's hottest experts, when a profile is given."""
         if self.counts is None:
             return None
-        self._loaded.add(layer)
+        self.loaded[layer] = 1
         return self._hot(self.counts[layer], capacity)
 
     def refresh(
         self, *, layer: int, step: int, block: int, capacity: int, tokens: np.ndarray
     ) -> np.ndarray | None:
         """Learn during the first blocks, then load the hot set once."""
-        if layer in self._loaded:
+        if self.loaded[layer]:
             return None
         if block < self.learn_blocks:
-            acc = self._learned.setdefault(layer, np.zeros(len(tokens)))
-            acc += tokens
+            self.learned[layer] += tokens
+            self.seen[layer] = 1
             return None
-        self._loaded.add(layer)
-        return self._hot(self._learned.get(layer, tokens.astype(np.float64)), capacity)
+        self.loaded[layer] = 1
+        return self._hot(
+            self.learned[layer] if self.seen[layer] else tokens.astype(np.float64), capacity
+        )

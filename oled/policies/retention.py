@@ -201,7 +201,11 @@ class ConfidenceRetention(RetentionPolicy):
         return lowest(self.score[layer], candidates, n)
 
     def reuse(self, layer: int, experts: np.ndarray) -> np.ndarray:
-        """1 - exp(-(priority + now_weight x this forward's mass) / reuse_scale)."""
+        """1 - exp(-(priority + now_weight x this forward's mass) / reuse_scale).
+
+        The exponential is the C library's in extended precision, rounded once: numpy's own
+        float64 exp depends on the CPU's vector instructions (the last bit of about 5% of
+        results), and so would every decision that compares reuse."""
         p = self.score[layer, experts]
         p *= -1.0 / self.reuse_scale
-        return 1.0 - np.exp(p, out=p)
+        return 1.0 - np.exp(p.astype(np.longdouble)).astype(np.float64)

@@ -56,6 +56,18 @@ def test_copies_row_names_the_copy_path(monkeypatch):
     from oled.offload import copies
 
     monkeypatch.setattr(copies, "runtime_library", lambda: "/x/libcudart.so.13")
+    monkeypatch.setattr(copies, "runtime_memcpy_batch", lambda: None)
     assert env.copies_row() == "cudaMemcpyAsync through /x/libcudart.so.13"
+    monkeypatch.setattr(copies, "runtime_memcpy_batch", lambda: object())
+    assert env.copies_row() == "cudaMemcpyBatchAsync through /x/libcudart.so.13"
     monkeypatch.setattr(copies, "runtime_library", lambda: None)
     assert env.copies_row().startswith("torch's copy_")
+
+
+def test_planner_row_says_whether_plans_run_compiled(monkeypatch):
+    from oled import env
+    from oled.offload import native
+
+    assert env.planner_row().startswith("compiled")
+    monkeypatch.setattr(native, "_load", lambda: native.NativeUnavailable("no C compiler found"))
+    assert env.planner_row() == "Python (compiled planner unavailable: no C compiler found)"

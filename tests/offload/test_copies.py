@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,3 +42,27 @@ def test_transfer_without_a_stream_copies_at_once():
     src, dst = torch.arange(6.0).view(2, 3), torch.zeros(2, 3)
     transfer(dst, src, None)
     assert torch.equal(dst, src)
+
+
+@pytest.mark.parametrize("fail_index", [False, True])
+def test_a_batched_launch_names_every_row_of_both_tables(fail_index):
+    """cudaMemcpyBatchAsync's arguments: the w13 rows, then the w2 rows, at their addresses;
+    CUDA 12.8-12.9's form with a failure index before the stream."""
+    from oled.offload import copies
+
+    seen = {}
+
+    def runtime(dsts, srcs, sizes, count, attrs, attr_index, num_attrs, *rest):
+        seen.update(dsts=list(dsts), srcs=list(srcs), sizes=list(sizes), count=count, rest=rest)
+        seen.update(first=attr_index[0], num_attrs=num_attrs)
+        return 0
+
+    src = Rows(views=((), ()), base=(1000, 5000), size=(10, 4), on_cuda=False)
+    dst = Rows(views=((), ()), base=(90000, 95000), size=(10, 4), on_cuda=True)
+    batch = copies._BatchCopy(runtime, fail_index)
+    assert batch(src, dst, np.array([3, 0]), np.array([1, 2]), "stream") == 0
+    assert seen["srcs"] == [1030, 1000, 5012, 5000]
+    assert seen["dsts"] == [90010, 90020, 95004, 95008]
+    assert seen["sizes"] == [10, 10, 4, 4] and seen["count"] == 4
+    assert seen["first"] == 0 and seen["num_attrs"] == 1
+    assert seen["rest"][-1] == "stream" and len(seen["rest"]) == 1 + fail_index

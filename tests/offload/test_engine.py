@@ -103,6 +103,8 @@ def test_stats_count_every_request(tiny_dir):
     assert s["copy_bytes"] == s["copies"] * rt.checkpoint.experts.expert_bytes
     assert 0 < s["hit_rate"] < 1
     assert 0 < s["plan_ms"] <= s["host_ms"] and s["plan_us_per_layer"] > 0
+    assert s["launch_ms"] > 0 and s["pass_ms"] > 0  # copies launched, passes run
+    assert s["plan_ms"] + s["launch_ms"] + s["pass_ms"] <= s["host_ms"]
     # the prompt forward and the decode iterations split the totals
     prompt, decode = s["prompt"], s["decode"]
     assert prompt["iterations"] == 1 and decode["iterations"] == s["iterations"] - 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -135,19 +136,31 @@ def test_cpu_experts_stay_within_tolerance(tiny_dir):
     assert rt.executor.metrics.total("cpu_experts") > 0
 
 
-def test_runtime_copies_move_the_right_rows():
-    """Expert rows go host (pinned) -> slots through the CUDA runtime, in stream order; whole
-    tensors go both ways."""
+@pytest.mark.parametrize("batched", [True, False])
+def test_runtime_copies_move_the_right_rows(batched):
+    """Expert rows go host (pinned) -> slots through the CUDA runtime, in stream order, in one
+    batched call (CUDA 12.8+) or one call per row; whole tensors go both ways."""
+    from oled.offload import copies
     from oled.offload.copies import Rows, launch, runtime_memcpy, transfer
 
     assert runtime_memcpy() is not None, "libcudart not found: copies fall back to torch"
+    if batched and tuple(int(v) for v in torch.version.cuda.split(".")[:2]) >= (12, 8):
+        assert copies.runtime_memcpy_batch() is not None, "no cudaMemcpyBatchAsync"
     src = [torch.randn(6, 8, 4).to(torch.bfloat16).pin_memory() for _ in range(2)]
     dst = [torch.zeros(3, 8, 4, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     stream = torch.cuda.Stream()
-    launch(Rows.of(*src), Rows.of(*dst), [5, 0, 2], [1, 2, 0], stream)
+    copies.use_batches(batched)
+    try:
+        launch(Rows.of(*src), Rows.of(*dst), np.array([5, 0, 2]), np.array([1, 2, 0]), stream)
+        default = [torch.zeros_like(d) for d in dst]  # the default stream takes no batches
+        launch(Rows.of(*src), Rows.of(*default), [1, 3], [0, 2], torch.cuda.current_stream())
+    finally:
+        copies.use_batches(True)
     stream.synchronize()
-    for s, d in zip(src, dst, strict=True):
+    torch.cuda.current_stream().synchronize()
+    for s, d, a in zip(src, dst, default, strict=True):
         assert torch.equal(d.cpu(), s[[2, 5, 0]])
+        assert torch.equal(a[[0, 2]].cpu(), s[[1, 3]])
     back = torch.empty(3, 8, 4, dtype=torch.bfloat16).pin_memory()
     transfer(back, dst[0], stream)  # device -> pinned host
     again = torch.empty_like(dst[0])
