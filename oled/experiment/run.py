@@ -120,6 +120,14 @@ def report_dir(recipe: Recipe) -> Path:
     return Path(recipe.tracking.report_dir) / f"{recipe.name}-{stamp}-{recipe.hash()}"
 
 
+def planner_kind(runtime: Any) -> str | None:
+    """How the runtime's host decisions run: "compiled", "python", or None (no planner)."""
+    planner = getattr(getattr(runtime, "executor", None), "planner", None)
+    if planner is None:
+        return None
+    return "compiled" if planner.compiled else "python"
+
+
 def run_experiment(
     recipe: Recipe,
     *,
@@ -136,7 +144,10 @@ def run_experiment(
         tracker.log_params(recipe.flatten())
         start = time.perf_counter()
         runtime = factory(recipe)
-        tracker.set_tags({"oled.runtime_device": getattr(runtime, "device", None)})
+        tracker.set_tags({
+            "oled.runtime_device": getattr(runtime, "device", None),
+            "oled.planner": planner_kind(runtime),
+        })  # fmt: skip
         generations = run_workload(runtime, recipe, prompts, console)
         report = make_report(recipe, generations, time.perf_counter() - start)
         directory = report_dir(recipe)

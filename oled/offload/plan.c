@@ -27,7 +27,7 @@ enum {
 enum { HEADER = 16 };
 
 /* Scratch regions (int64 or double), each `num_experts + 1` long; the plan's arrays follow. */
-enum { S_REST, S_REFRESH, S_PREFETCH, S_WANT, S_PROTECT, S_FREE, S_CAND, S_ORDER, S_TMP,
+enum { S_REST, S_REFRESH, S_PREFETCH, S_WANT, S_PROTECT, S_QUEUE, S_CAND, S_ORDER, S_TMP,
        S_REUSE, S_WANT_REUSE, S_KEY, S_LEFT, S_CPU_LEFT, S_MASS, N_SCRATCH };
 
 /* Mirrors oled.offload.native.Bind (ctypes). */
@@ -446,7 +446,7 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
         for (int64_t i = 0; i < n_want; i++) tmp[i] = want[pos[i]];
         memcpy(want, tmp, (size_t)n_want * sizeof(int64_t));
     }
-    int64_t *order = region(sc, E, S_FREE);
+    int64_t *order = region(sc, E, S_QUEUE); /* refresh targets, then wanted copies */
     memcpy(order, prefetch, (size_t)n_prefetch * sizeof(int64_t));
     memcpy(order + n_prefetch, want, (size_t)n_want * sizeof(int64_t));
     memcpy(copy_e, order, (size_t)n_cache * sizeof(int64_t));

@@ -3,6 +3,9 @@
 Per MoE layer and forward, `Planner.plan` splits the routed experts into hits and misses, asks the
 compensation policy copy-or-CPU for each miss, picks eviction victims with the retention policy,
 and updates the layer's slot maps. Layers are MoE-layer indices in [0, num_layers).
+
+This module is the reference. For the built-in policies `plan` runs compiled (oled.offload.native,
+plan.c) over the same arrays, with the same decisions; any other policy plans here.
 """
 
 from __future__ import annotations

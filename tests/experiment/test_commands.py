@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
 from oled.cli import app
@@ -76,3 +77,6 @@ def test_run_follows_the_resident_tokens(tmp_path: Path, mlflow_uri: str) -> Non
     gens = report["generations"]
     assert len(gens) == 4 and all(g["followed"] > 0 and g["cpu_experts"] > 0 for g in gens)
     assert report["summary"]["agreement"] == 1.0  # one device: the same choices
+    client = MlflowClient(mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("follow").experiment_id])
+    assert run.data.tags["oled.planner"] == "compiled"  # the run says how it planned
