@@ -62,10 +62,7 @@ class OffloadEngine(DecodeObserver):
         self._cache_rows = [Rows.of(a, b) for a, b in zip(self.w13, self.w2, strict=True)]
         self._stage_rows = Rows.of(self.stage_w13, self.stage_w2)
         layers = store.num_layers
-        stage_rounds = (
-            -(-self.num_experts // planner.stage_capacity) if planner.stage_capacity else 0
-        )
-        rows = STAGED + stage_rounds
+        rows = planner.slot_map_rows
         self._maps_host = torch.full((layers, rows, self.num_experts), -1, dtype=torch.long)
         if self.cuda:
             self._maps_host = self._maps_host.pin_memory()

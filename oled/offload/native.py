@@ -26,21 +26,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from oled.env import cache_home
+from oled.offload.planner import LayerPlan
 from oled.policies import compensation as C
 from oled.policies import retention as R
 from oled.policies.base import CompensationPolicy, Load, RetentionPolicy
 
 if TYPE_CHECKING:
-    from oled.offload.planner import LayerPlan, Planner
+    from oled.offload.planner import Planner
 
 SOURCE = Path(__file__).with_name("plan.c")
 FLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
          "-fno-fast-math")  # fmt: skip  # no FMA contraction: the same rounding as numpy
-HEADER = 16  # int64s before the output regions (plan.c)
 REGIONS = ("hits", "misses", "gpu_experts", "copy_experts", "copy_slots", "stage_experts",
            "stage_slots", "cpu_experts", "cpu_tokens", "evicted", "counts")  # fmt: skip
-N_SCRATCH = 15
-N_STATS = 12
+# plan.c's header after the regions' starts: where the slot map copy starts and the output
+# ends, the cache's free slots after the plan, the slot-map rows written
+SLOT_MAP, END, FREE, MAP_ROWS = range(len(REGIONS), len(REGIONS) + 4)
 
 RETENTION = {R.LRURetention: 1, R.LFURetention: 2, R.ScoreEMARetention: 3,
              R.ConfidenceRetention: 4}  # fmt: skip
@@ -121,6 +122,8 @@ def _load() -> ctypes.CDLL | NativeUnavailable:
         return NativeUnavailable(f"cannot build or load {target}: {e}")
     lib.oled_plan.restype = _i
     lib.oled_plan.argtypes = [_p, _i, _i, _i, _i, _d, _d, _d, _i, _i]
+    lib.oled_layout.restype = None
+    lib.oled_layout.argtypes = [_i, _p]
     return lib
 
 
@@ -153,10 +156,14 @@ class CompiledPlan:
         self.planner = p = planner
         L, E = p.num_layers, p.num_experts
         self.E = E
-        self.stats = p.stats.compiled  # [L, N_STATS]
-        assert self.stats.shape == (L, N_STATS), "plan.c counts N_STATS counters per layer"
-        self.scratch = np.zeros((N_SCRATCH + len(REGIONS)) * (E + 1), np.int64)
-        self.out = np.zeros(HEADER + len(REGIONS) * (E + 1) + E // 2 + 1, np.int64)
+        lens = np.zeros(5, np.int64)  # scratch, out, header, counters, regions (plan.c)
+        self.lib.oled_layout(E, _addr(lens))
+        scratch, out, self.header, counters, regions = lens.tolist()
+        self.stats = p.stats.compiled  # [L, counters]
+        if self.stats.shape != (L, counters) or regions != len(REGIONS):
+            raise NativeUnavailable("plan.c and oled/offload/native.py disagree on the layout")
+        self.scratch = np.zeros(scratch, np.int64)
+        self.out = np.zeros(out, np.int64)
         b = self.bind = Bind(num_layers=L, num_experts=E, stage_capacity=p.stage_capacity,
                              stats_alpha=p.stats_alpha, scratch=_addr(self.scratch),
                              out=_addr(self.out))  # fmt: skip
@@ -228,8 +235,6 @@ class CompiledPlan:
         self, layer: int, ids: np.ndarray, weights: np.ndarray, load: Load | None
     ) -> LayerPlan:
         """Planner.plan, compiled."""
-        from oled.offload.planner import LayerPlan
-
         p = self.planner
         cache = p.caches[layer]
         n = ids.size
@@ -245,16 +250,20 @@ class CompiledPlan:
         if rc:
             bad = ids[(ids < 0) | (ids >= self.E)]
             raise ValueError(f"layer {layer}: expert ids {bad[:8].tolist()} outside [0, {self.E})")
-        h = self.out[:HEADER].tolist()  # where each array starts (plan.c's pack)
-        out = self.out[: h[12]].copy()  # the plan's own
-        cache.n_free = h[13]
+        h = self.out[: self.header].tolist()  # where each array starts (plan.c's pack)
+        out = self.out[: h[END]].copy()  # the plan's own
+        cache.n_free = h[FREE]
         if self.lru:
             p.retention.now = p.step
         parts = {k: out[h[i] : h[i + 1]] for i, k in enumerate(REGIONS)}
         counts = parts.pop("counts")  # [E] tokens per expert
         predicted_hits = p.ahead.score(layer, counts)  # of those copied at the layer before
         p.stats.rows[layer][11] += predicted_hits
-        slot_of = out[h[11] :].view(np.int32)[: self.E]
+        slot_of = out[h[SLOT_MAP] :].view(np.int32)[: self.E]
         return LayerPlan(
-            layer=layer, slot_of=slot_of, predicted_hits=predicted_hits, map_rows=h[14], **parts
+            layer=layer,
+            slot_of=slot_of,
+            predicted_hits=predicted_hits,
+            map_rows=h[MAP_ROWS],
+            **parts,
         )

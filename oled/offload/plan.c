@@ -360,6 +360,16 @@ static int64_t write_maps(const Bind *b, int64_t layer, const int32_t *slot_of,
     return rows;
 }
 
+/* The buffer lengths (int64s) for E experts: lens = {scratch, out, header, counters per
+ * layer, the plan's arrays}; the Python side allocates from these, so they live here only. */
+void oled_layout(int64_t E, int64_t *lens) {
+    lens[0] = (N_SCRATCH + N_OUT) * (E + 1);
+    lens[1] = HEADER + N_OUT * (E + 1) + (E + 1) / 2;
+    lens[2] = HEADER;
+    lens[3] = N_STATS;
+    lens[4] = N_OUT;
+}
+
 /* The plan's arrays (sizes n[i]) and the layer's slot map packed into b->out. */
 static void pack(const Bind *b, int64_t *o, const int64_t *n, const int32_t *slot_of,
                  int64_t n_free) {

@@ -277,18 +277,23 @@ class Planner:
 
     def attach_maps(self, maps: np.ndarray) -> None:
         """From now on every plan also writes its layer's expert -> slot maps into `maps`
-        [L, R, E] int64 (C-contiguous, R >= STAGED + the most stage rounds; see write_maps)
+        [L, R, E] int64 (C-contiguous, R >= slot_map_rows; see write_maps)
         and says in `map_rows` how many rows it wrote."""
         if maps.dtype != np.int64 or not maps.flags.c_contiguous or maps.ndim != 3:
             raise ValueError("slot maps must be a C-contiguous [L, R, E] int64 array")
-        rounds = -(-self.num_experts // self.stage_capacity) if self.stage_capacity else 0
-        need = (self.num_layers, STAGED + rounds, self.num_experts)
+        need = (self.num_layers, self.slot_map_rows, self.num_experts)
         if maps.shape[0] != need[0] or maps.shape[1] < need[1] or maps.shape[2] != need[2]:
             raise ValueError(f"slot maps of shape {maps.shape}: need [{need[0]}, >= {need[1]}, "
                              f"{need[2]}]")  # fmt: skip
         self._maps = maps
         if self.native is not None:
             self.native.attach_maps(maps)
+
+    @property
+    def slot_map_rows(self) -> int:
+        """The most slot-map rows a plan writes: HIT, COPIED and one per stage round."""
+        rounds = -(-self.num_experts // self.stage_capacity) if self.stage_capacity else 0
+        return STAGED + rounds
 
     @property
     def compiled(self) -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from oled.offload import native
-from oled.offload.planner import STAGED, Planner
+from oled.offload.planner import Planner
 from oled.policies import compensation as C
 from oled.policies import retention as R
 from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
@@ -63,8 +63,7 @@ def drive(p: Planner, seed: int) -> list:
     """Forwards over 4 blocks: plans, copies ahead, observations; every decision and state."""
     rng = np.random.default_rng(seed)
     hot = [rng.choice(E, 10, replace=False) for _ in range(L)]
-    rounds = -(-E // p.stage_capacity) if p.stage_capacity else 0
-    maps = np.full((L, STAGED + rounds, E), 7, np.int64)  # the plans write theirs in here
+    maps = np.full((L, p.slot_map_rows, E), 7, np.int64)  # the plans write theirs in here
     p.attach_maps(maps)
     record = []
     for step in range(16):
