@@ -77,6 +77,16 @@ def planner_row() -> str:
     return "compiled (built-in policies; policies of one's own in Python)"
 
 
+def launches_row() -> str:
+    """Whether the offload engine launches graphed layer calls from C (oled.offload.driver)."""
+    from oled.offload.driver import unsupported
+
+    why = unsupported()
+    if why is not None:
+        return f"Python ({why})"
+    return "compiled (graphed layer calls, without copies ahead)"
+
+
 def cuda_rows(report: Report, *, bandwidth: bool) -> None:
     import torch
 
@@ -92,6 +102,7 @@ def cuda_rows(report: Report, *, bandwidth: bool) -> None:
                                f"compute {prop.major}.{prop.minor}")  # fmt: skip
     report.add("fused kernels", kernel_row())
     report.add("expert copies", copies_row())
+    report.add("layer launches", launches_row())
     if bandwidth:
         gbps = pinned_copy_bandwidth()
         report.add("host->GPU copy, pinned, 64 MiB", f"{gbps:.1f} GB/s")

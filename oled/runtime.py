@@ -253,6 +253,7 @@ def build_runtime(
     graphs: bool = True,
     kernels: str = "auto",
     planner: str = "auto",
+    driver: bool | None = None,
 ) -> Runtime:
     """Load a model under a GPU budget with the given policies (missing ones get OLED's).
 
@@ -263,6 +264,8 @@ def build_runtime(
     that many experts per MoE layer a layer ahead, from the next layer's predicted routing
     (oled.offload.predict). `planner` "auto" plans compiled where it can (oled.offload.native),
     "compiled" insists on it, "python" keeps the Python planner: the same decisions either way.
+    `driver` launches graphed layer calls from C where possible (None), insists (True) or never
+    does (False; oled.offload.driver): the same tokens either way.
     """
     from oled.model.config import ModelConfig
     from oled.offload.budget import total_slots
@@ -296,18 +299,23 @@ def build_runtime(
     engine = make_engine(ckpt, dev, make_planner(
         ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost, prefetch,
         planner,
-    ))  # fmt: skip
+    ), driver)  # fmt: skip
     return Runtime(
         checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine],
         graphs=graphs, kernels=kernels,
     )  # fmt: skip
 
 
-def make_engine(ckpt: Checkpoint, dev: torch.device, planner: Planner) -> OffloadEngine:
+def make_engine(
+    ckpt: Checkpoint, dev: torch.device, planner: Planner, driver: bool | None = None
+) -> OffloadEngine:
     """The offload engine over the checkpoint's experts, with the next layer's routing
-    predicted from the model's routers when the planner prefetches."""
+    predicted from the model's routers when the planner prefetches; `driver`: see
+    OffloadEngine."""
     predict = NextLayerRouting(ckpt.model) if planner.prefetch_limit else None
-    return OffloadEngine(store=ckpt.experts, device=dev, planner=planner, predict=predict)
+    return OffloadEngine(
+        store=ckpt.experts, device=dev, planner=planner, predict=predict, driver=driver
+    )
 
 
 PLANNER_MODES = {"auto": None, "compiled": True, "python": False}

@@ -109,6 +109,11 @@ def main() -> None:
         help="comma-separated copy launches per row: batched (one call per layer), each (one "
         "call per expert and table)",
     )
+    ap.add_argument(
+        "--driver",
+        default="auto",
+        help="comma-separated layer launches per row: auto (from C where possible), python",
+    )
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--cost", default="calibrate", help="cost model: calibrate or a profile")
     ap.add_argument("--trace", default=None, help="record the resident run's routing here")
@@ -163,10 +168,11 @@ def main() -> None:
         slots = total_slots(budget, ckpt.config, dtype=torch.bfloat16, device=dev)
         ahead = [int(n) for n in args.prefetch.split(",")]
         planners, launches = args.planner.split(","), args.copies.split(",")
-        for name, graphs, kernels, prefetch, plans, batched in [
-            (n, g, k, a, pl, c == "batched")
+        drivers = [None if d == "auto" else False for d in args.driver.split(",")]
+        for name, graphs, kernels, prefetch, plans, batched, driver in [
+            (n, g, k, a, pl, c == "batched", d)
             for n in names for g in modes for k in kernel_modes for a in ahead for pl in planners
-            for c in launches
+            for c in launches for d in drivers
         ]:  # fmt: skip
             use_batches(batched)
             p = CONFIGS[name]()
@@ -175,7 +181,7 @@ def main() -> None:
                 ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], args.cost,
                 prefetch, plans,
             )  # fmt: skip
-            engine = make_engine(ckpt, dev, planner)
+            engine = make_engine(ckpt, dev, planner, driver)
             observers = [engine]
             if prefetch and oracle is not None:
                 engine.predict = oracle
@@ -187,6 +193,7 @@ def main() -> None:
             label += " recorded" if prefetch and oracle is not None else ""
             label += "" if planner.compiled else " python-planner"
             label += "" if batched else " copies-each"
+            label += " python-launch" if graphs and engine.driver is None else ""
             rows.append(
                 bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), label, trajectory)
             )

@@ -128,6 +128,15 @@ def planner_kind(runtime: Any) -> str | None:
     return "compiled" if planner.compiled else "python"
 
 
+def launch_kind(runtime: Any) -> str | None:
+    """How the runtime's graphed layer calls launch: "compiled" (oled.offload.driver),
+    "python", or None (no offload engine)."""
+    executor = getattr(runtime, "executor", None)
+    if getattr(executor, "planner", None) is None:
+        return None
+    return "compiled" if getattr(executor, "driver", None) is not None else "python"
+
+
 def run_experiment(
     recipe: Recipe,
     *,
@@ -147,6 +156,7 @@ def run_experiment(
         tracker.set_tags({
             "oled.runtime_device": getattr(runtime, "device", None),
             "oled.planner": planner_kind(runtime),
+            "oled.launch": launch_kind(runtime),
         })  # fmt: skip
         generations = run_workload(runtime, recipe, prompts, console)
         report = make_report(recipe, generations, time.perf_counter() - start)

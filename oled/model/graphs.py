@@ -51,7 +51,11 @@ class PiecewiseExecutor(Protocol):
 class Graphs:
     """CUDA graphs by key, captured on first use into one shared memory pool."""
 
-    def __init__(self, *, max_graphs: int = 4096) -> None:
+    def __init__(
+        self, *, max_graphs: int = 4096, on_drop: Callable[[Hashable], None] | None = None
+    ) -> None:
+        """`on_drop(key)` is told of every graph dropped (evicted or by `drop`)."""
+        self.on_drop = on_drop
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream()
         self.graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()
@@ -84,14 +88,19 @@ class Graphs:
     def put(self, key: Hashable, graph: torch.cuda.CUDAGraph) -> None:
         self.graphs[key] = graph
         while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
+            self._forget(next(iter(self.graphs)))
 
     def drop(self, keep: Callable[[Hashable], bool] = lambda key: False) -> None:
         """Forget every graph whose key `keep` rejects (all of them by default)."""
         for key in [k for k in self.graphs if not keep(k)]:
-            del self.graphs[key]
+            self._forget(key)
         if not self.graphs:  # torch frees a pool with its last graph: never capture into it again
             self.pool = torch.cuda.graph_pool_handle()
+
+    def _forget(self, key: Hashable) -> None:
+        if self.on_drop is not None:
+            self.on_drop(key)
+        del self.graphs[key]
 
 
 @dataclass

@@ -24,6 +24,11 @@ def stage(name: str):
     return torch.profiler.record_function(name) if _on else nullcontext()
 
 
+def annotating() -> bool:
+    """Whether stages are profiler ranges now."""
+    return _on
+
+
 def annotate(on: bool) -> None:
     """Mark stages as profiler ranges (True) or not (False, the default)."""
     global _on

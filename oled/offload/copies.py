@@ -61,6 +61,11 @@ def use_batches(on: bool) -> None:
     _batching = on
 
 
+def batching() -> bool:
+    """Whether copies of several rows launch in one batched call (`use_batches`)."""
+    return _batching
+
+
 def launch(
     src: Rows, dst: Rows, rows: np.ndarray, into: np.ndarray, stream: torch.cuda.Stream | None
 ) -> None:
@@ -193,6 +198,18 @@ def runtime_memcpy_batch() -> _BatchCopy | None:
     fn.argtypes = [p, p, p, n, p, p, n, *([p] if fail_index else []), p]
     fn.restype = ctypes.c_int
     return _BatchCopy(fn, fail_index)
+
+
+def runtime_entry(name: str) -> int | None:
+    """The address of the CUDA runtime's function `name` (for calls from C), or None."""
+    found = _runtime_library()
+    if found is None:
+        return None
+    for symbol in (name, f"{name}_v2"):  # CUDA 13 keeps some v2 functions under their v2 name
+        fn = getattr(found[0], symbol, None)
+        if fn is not None:
+            return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
 
 
 def runtime_library() -> str | None:

@@ -10,6 +10,10 @@ experts' activations start for pinned host memory, hits are computed by a groupe
 table, the copied experts after their copy event; once all of that is queued, the host computes the
 CPU experts, and their results are added into the same [T, K, H] pair buffer before the top-k sum,
 so the summation order never depends on where a pair was computed.
+
+Static layer calls (the GPU passes captured as CUDA graphs) launch from C where they can
+(oled.offload.driver): the planner's C code plans and issues the same runtime calls in the same
+order; the Python path below is the reference and captures the graphs.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from oled.decoding.observers import BlockInfo, DecodeObserver, IterationInfo
 from oled.model.experts import ExpertStore, combine, expert_pairs, expert_rows
 from oled.model.graphs import Graphs
 from oled.model.model import MoERequest
-from oled.model.stages import stage
+from oled.model.stages import annotating, stage
 from oled.offload.copies import Rows, launch, transfer
+from oled.offload.driver import COUNTS, LayerDriver, unavailable
 from oled.offload.metrics import EngineMetrics
 from oled.offload.planner import COPIED, HIT, STAGED, LayerPlan, Planner, Resize
 from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, StepContext
@@ -43,10 +48,13 @@ class OffloadEngine(DecodeObserver):
         device: torch.device,
         planner: Planner,
         predict: Callable[[int, Tensor], Tensor | np.ndarray] | None = None,
+        driver: bool | None = None,
     ) -> None:
         """`predict(layer, x)`: the next MoE layer's likely ids [T, K] from layer's router input
         x [T, H] (oled.offload.predict: NextLayerRouting, or RecordedRouting on the host);
-        used when the planner prefetches."""
+        used when the planner prefetches. `driver`: launch static layer calls from C
+        (oled.offload.driver) where possible (None), always (True: an error where it cannot),
+        or never (False)."""
         self.store, self.device, self.planner = store, device, planner
         self.predict = predict if planner.prefetch_limit else None
         self.cuda = device.type == "cuda"
@@ -80,8 +88,24 @@ class OffloadEngine(DecodeObserver):
         self._static_io: dict[tuple[int, int], tuple[MoERequest, Tensor]] = {}
         self._predicted: dict[tuple[int, int], Tensor] = {}  # static predicted ids [T, K]
         self._ahead: list[torch.cuda.Event | None] = [None] * layers  # copies ahead, per layer
-        self.graphs = Graphs() if self.cuda else None  # the GPU passes of static layer calls
+        # the GPU passes of static layer calls
+        self.graphs = Graphs(on_drop=self._dropped) if self.cuda else None
+        self.driver = self._driver(driver)
         self._prefill()
+
+    def _driver(self, wanted: bool | None) -> LayerDriver | None:
+        if wanted is False:
+            return None
+        why = unavailable(self)
+        if why is not None:
+            if wanted:
+                raise RuntimeError(f"layer calls cannot launch from C: {why}")
+            return None
+        return LayerDriver(self)
+
+    def _dropped(self, key) -> None:
+        if self.driver is not None:
+            self.driver.forget(key)
 
     def _table(self, rows: int, which: int, dtype) -> Tensor:
         return torch.empty((rows, *self._slot_shape[which]), dtype=dtype, device=self.device)
@@ -146,7 +170,15 @@ class OffloadEngine(DecodeObserver):
         t1 = time.perf_counter()  # the layer's one sync is over
         self._routing[layer] = (ids_np, w_np)
         with stage("host decision"):
-            plan = self.planner.plan(layer, ids_np, w_np)  # queues empty: see _copy
+            if into is not None and self.driver is not None and not annotating():
+                if self._stage_free is not None:  # C's launches wait for the stage's users
+                    self.driver.take_stage(self._stage_free)
+                    self._stage_free = None
+                if self.driver.run(layer, self._compute, ids_np, w_np):  # planned and launched
+                    return self._driven(layer, r, ids_np, w_np, into, (t0, t1))
+                plan = self.planner.native.unpack(layer)  # a pass not captured yet
+            else:
+                plan = self.planner.plan(layer, ids_np, w_np)  # queues empty: see _copy
             t2 = time.perf_counter()
             ready = self._copy(layer, plan)  # first: the copies are the longest path
             if next_np is not None:
@@ -162,6 +194,24 @@ class OffloadEngine(DecodeObserver):
             with stage("CPU experts"):
                 self._cpu_pairs(cpu_job, pairs, t2)
         return pairs
+
+    def _driven(
+        self, layer: int, r: MoERequest, ids_np: np.ndarray, w_np: np.ndarray, into: Tensor,
+        stamps: tuple[float, float],
+    ) -> Tensor:  # fmt: skip
+        """After a call launched from C: the host's part (CPU experts) and the host timings;
+        the pairs in `into`."""
+        t0, t1 = stamps
+        job, ready = None, self.driver.cpu_ready()
+        if ready is not None:  # CPU experts: their activations are on the way
+            plan = self.planner.native.unpack(layer)
+            job = self._cpu_job(layer, r.x, ids_np, w_np, plan, ready)
+        t5 = time.perf_counter()
+        self.metrics.add(layer, sync_ms=1000 * (t1 - t0), host_ms=1000 * (t5 - t1))
+        if job is not None:
+            with stage("CPU experts"):
+                self._cpu_pairs(job, into, t1)
+        return into
 
     def _routing_to_host(
         self, r: MoERequest, predicted: Tensor | np.ndarray | None
@@ -187,11 +237,22 @@ class OffloadEngine(DecodeObserver):
             self._routing_host[key] = tuple(
                 torch.empty(a.shape, dtype=a.dtype, pin_memory=True) for a in sources
             )
-        buffers = self._routing_host[key]
+        buffers = self._routing_host[key]  # (tokens, 2): pinned_routing's
         for host, dev in zip(buffers, sources, strict=True):
             transfer(host, dev, self._compute)
         self._compute.synchronize()
         return [host.numpy().copy() for host in buffers]
+
+    def pinned_routing(self, tokens: int) -> tuple[Tensor, Tensor]:
+        """The pinned buffers that a layer call's routing of `tokens` tokens comes back in: ids
+        [T, K] int64, weights [T, K] fp32 (those of `_to_host`)."""
+        key, k = (tokens, 2), self.planner.top_k
+        if key not in self._routing_host:
+            self._routing_host[key] = (
+                torch.empty(tokens, k, dtype=torch.long, pin_memory=True),
+                torch.empty(tokens, k, dtype=torch.float32, pin_memory=True),
+            )
+        return self._routing_host[key]
 
     def _predict(self, r: MoERequest, static: bool) -> Tensor | np.ndarray | None:
         """The next layer's predicted ids [T, K] int64 on the device, queued before the sync;
@@ -261,7 +322,10 @@ class OffloadEngine(DecodeObserver):
 
         if not static:
             return compute()
-        self.graphs.run((r.layer, r.x.shape[0], row), compute)
+        key = (r.layer, r.x.shape[0], row)
+        self.graphs.run(key, compute)
+        if self.driver is not None:  # launches from C replay it from now on
+            self.driver.learn(key, self.graphs.graphs[key])
         return into
 
     def _staged(self, r: MoERequest, maps: Tensor, plan: LayerPlan, pairs: Tensor, static: bool):
@@ -272,6 +336,8 @@ class OffloadEngine(DecodeObserver):
         tables = (self.stage_w13, self.stage_w2)
         for n, lo in enumerate(range(0, len(plan.stage_experts), size)):
             experts, slots = plan.stage_experts[lo : lo + size], plan.stage_slots[lo : lo + size]
+            if self.driver is not None and n == 0:  # the stage's users launched from C
+                self.driver.release_stage(self.copy_stream)
             if self.copy_stream is not None and self._stage_free is not None:
                 self.copy_stream.wait_event(self._stage_free)
             # timed after the wait: copy time only
@@ -320,24 +386,30 @@ class OffloadEngine(DecodeObserver):
         with stage("copies"):
             launch(self._src_rows[layer], rows, experts, slots, self.copy_stream)
 
-    def _cpu_job(self, layer, x, ids_np, w_np, plan) -> CpuJob | None:
+    def _cpu_job(self, layer, x, ids_np, w_np, plan, copied=None) -> CpuJob | None:
         """This layer's CPU experts, their activations on the way to pinned host memory without
-        a sync (the host waits for the copy's event only when it computes them)."""
+        a sync (the host waits for the copy's event only when it computes them); `copied`: the
+        event of a copy already launched (from C)."""
         if not len(plan.cpu_experts):
             return None
         on_cpu = np.zeros(self.num_experts, bool)
         on_cpu[plan.cpu_experts] = True
         slots = torch.from_numpy(np.where(on_cpu[ids_np], ids_np, -1))  # [T, K]
-        x_host, copied = x, None  # [T, H]
-        if self.cuda:  # one buffer per shape: a layer's job is done before the next one starts
-            x_host = self._x_host.get(x.shape)
-            if x_host is None:
-                x_host = self._x_host[x.shape] = torch.empty(
-                    x.shape, dtype=x.dtype, pin_memory=True
-                )
-            x_host.copy_(x, non_blocking=True)
-            copied = self._timing.record(self._compute)
+        x_host = x  # [T, H]
+        if self.cuda:
+            x_host = self.pinned_activations(x)
+            if copied is None:
+                x_host.copy_(x, non_blocking=True)
+                copied = self._timing.record(self._compute)
         return CpuJob(layer, x_host, slots, torch.from_numpy(w_np), copied, plan.cpu_tokens)
+
+    def pinned_activations(self, x: Tensor) -> Tensor:
+        """The pinned host buffer for CPU experts' activations of x's shape (one per shape: a
+        layer's job is done before the next one starts)."""
+        x_host = self._x_host.get(x.shape)
+        if x_host is None:
+            x_host = self._x_host[x.shape] = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        return x_host
 
     def _cpu_pairs(self, job: CpuJob, pairs: Tensor, t_plan: float) -> None:
         """Compute a job's experts on the host (the device's work of the layer is queued) and
@@ -389,6 +461,8 @@ class OffloadEngine(DecodeObserver):
 
     def on_generation_start(self, prompt_length: int) -> None:
         self.metrics.reset()
+        if self.driver is not None:
+            self.driver.take_counts()
 
     def on_iteration_start(self, block: int, iteration: int, step: int) -> None:
         self.planner.begin_step(step=step, block=block)
@@ -401,6 +475,10 @@ class OffloadEngine(DecodeObserver):
                 self.planner.observe(layer, routing[0], routing[1], ctx)
         self._routing = [None] * len(self._routing)
         self._collect_events()
+        if self.driver is not None:  # the counts of the calls launched from C
+            counts = dict(zip(COUNTS, self.driver.take_counts().T, strict=True))
+            counts["copy_bytes"] = counts["copies"] * self.store.expert_bytes
+            self.metrics.add_layers(counts)
         self.metrics.end_iteration()
 
     def on_block_end(self, info: BlockInfo) -> None:
@@ -420,13 +498,18 @@ class OffloadEngine(DecodeObserver):
                 new[keep[:, 1]] = old[keep[:, 0]]
             tables[r.layer] = new
         self._cache_rows[r.layer] = Rows.of(self.w13[r.layer], self.w2[r.layer])
+        if self.driver is not None:
+            self.driver.bind_tables(r.layer)
 
     def _collect_events(self) -> None:
-        if not self._events:  # any recorded events were CPU jobs', waited for on the host
+        driven = self.driver is not None and self.driver.pending
+        if not self._events and not driven:  # any recorded were CPU jobs', waited for already
             self._timing.recycle()
             return
         torch.cuda.current_stream(self.device).synchronize()
         self.copy_stream.synchronize()
+        if driven:
+            self.driver.collect_events()
         for layer, start, end, *kind in self._events:
             ms = start.elapsed_time(end)
             self.metrics.add(layer, **({"copy_ms": ms} if kind else {"stall_ms": ms}))

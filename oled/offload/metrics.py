@@ -53,6 +53,14 @@ class EngineMetrics:
             row[i] += value
             current[i] += value
 
+    def add_layers(self, values: dict[str, np.ndarray]) -> None:
+        """Add per-layer values [L] of each named field."""
+        for name, column in values.items():
+            i = _INDEX[name]
+            for row, value in zip(self._layers, column.tolist(), strict=True):
+                row[i] += value
+            self._current[i] += float(column.sum())
+
     def end_iteration(self) -> None:
         self.iterations.append(self._current)
         self._current = [0.0] * len(FIELDS)

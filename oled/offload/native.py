@@ -1,4 +1,5 @@
-"""The compiled planner: `Planner.plan` in C (plan.c) for the built-in policies.
+"""The compiled planner: `Planner.plan` in C (plan.c) for the built-in policies, and the engine's
+layer launches (drive.c, used through oled.offload.driver).
 
 The C code is built on first use with the system's C compiler (`$CC`, else `cc`) into the cache
 directory ($OLED_HOME/native) and loaded with ctypes. It decides exactly as the Python planner:
@@ -34,7 +35,7 @@ from oled.policies.base import CompensationPolicy, Load, RetentionPolicy
 if TYPE_CHECKING:
     from oled.offload.planner import Planner
 
-SOURCE = Path(__file__).with_name("plan.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("plan.c", "drive.c"))
 FLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
          "-fno-fast-math")  # fmt: skip  # no FMA contraction: the same rounding as numpy
 REGIONS = ("hits", "misses", "gpu_experts", "copy_experts", "copy_slots", "stage_experts",
@@ -71,7 +72,8 @@ class Bind(ctypes.Structure):
         ("comp_kind", _i), ("comp_int", _i), ("comp_a", _d),
         ("learned", _p), ("loaded", _p), ("seen", _p),
         ("copy_per", _d), ("copy_fixed", _d), ("cpu_fixed", _d), ("cpu_tok", _d),
-        ("scratch", _p), ("ids", _p), ("weights", _p), ("out", _p), ("maps", _p),
+        ("scratch", _p), ("ids", _p), ("weights", _p), ("routing_cap", _i), ("out", _p),
+        ("maps", _p),
         ("map_rows", _i),
     ]  # fmt: skip
 
@@ -105,11 +107,13 @@ def library() -> ctypes.CDLL:
 
 @cache
 def _load() -> ctypes.CDLL | NativeUnavailable:
-    try:
-        source = SOURCE.read_bytes()
-    except OSError as e:
-        return NativeUnavailable(f"cannot read {SOURCE}: {e}")
-    tag = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    for source in SOURCES:
+        try:
+            digest.update(source.read_bytes())
+        except OSError as e:
+            return NativeUnavailable(f"cannot read {source}: {e}")
+    tag = digest.hexdigest()[:16]
     machine = f"{sys.platform}-{platform.machine()}"
     target = cache_home() / "native" / f"plan-{machine}-{tag}.so"
     try:
@@ -124,6 +128,11 @@ def _load() -> ctypes.CDLL | NativeUnavailable:
     lib.oled_plan.argtypes = [_p, _i, _i, _i, _i, _d, _d, _d, _i, _i]
     lib.oled_layout.restype = None
     lib.oled_layout.argtypes = [_i, _p]
+    lib.oled_layer.restype = _i
+    lib.oled_layer.argtypes = [_p, _p, _i, _i, _i, _d, _i]
+    lib.oled_collect.restype = _i
+    lib.oled_collect.argtypes = [_p]
+    lib.oled_drive_counts.restype = _i
     return lib
 
 
@@ -132,7 +141,7 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then renamed: no torn file
     os.close(fd)
-    cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+    cmd = [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode:
@@ -188,6 +197,7 @@ class CompiledPlan:
         self.ids = np.zeros(pairs, np.int64)  # flat [T * K]
         self.weights = np.zeros(pairs, np.float64)
         self.bind.ids, self.bind.weights = _addr(self.ids), _addr(self.weights)
+        self.bind.routing_cap = pairs
 
     def attach_maps(self, maps: np.ndarray) -> None:
         """Write each plan's slot maps into `maps` [L, R, E] int64 (Planner.attach_maps)."""
@@ -235,26 +245,47 @@ class CompiledPlan:
         self, layer: int, ids: np.ndarray, weights: np.ndarray, load: Load | None
     ) -> LayerPlan:
         """Planner.plan, compiled."""
+        self.run(layer, ids, weights, load)
+        return self.unpack(layer)
+
+    def run(self, layer: int, ids: np.ndarray, weights: np.ndarray, load: Load | None) -> None:
+        """Plan the layer in C; the plan stays in the output buffer (`unpack`)."""
         p = self.planner
-        cache = p.caches[layer]
         n = ids.size
         if n > len(self.ids):
             self._routing(n)
         np.copyto(self.ids[:n], ids.reshape(-1), casting="same_kind")
         np.copyto(self.weights[:n], weights.reshape(-1))
         copy_q, cpu_q = (load.copy_queue_ms, load.cpu_queue_ms) if load else (0.0, 0.0)
-        slowdown = self.cooperative.slowdown if self.cooperative is not None else 1.0
         rc = self.lib.oled_plan(
-            self.ref, layer, n, p.step, p.block, copy_q, cpu_q, slowdown, p.gpu_only, cache.n_free
-        )
-        if rc:
+            self.ref, layer, n, p.step, p.block, copy_q, cpu_q, self.slowdown(), p.gpu_only,
+            p.caches[layer].n_free,
+        )  # fmt: skip
+        self.finish(layer, rc, ids)
+
+    def slowdown(self) -> float:
+        """The cooperative compensation's learned CPU slowdown (1 for other policies)."""
+        return self.cooperative.slowdown if self.cooperative is not None else 1.0
+
+    def reserve(self, pairs: int) -> None:
+        """Room for the routing of `pairs` pairs (drive.c reads it in itself)."""
+        if pairs > len(self.ids):
+            self._routing(pairs)
+
+    def finish(self, layer: int, rc: int, ids: np.ndarray) -> None:
+        """After a plan in C (return code `rc`): the Python objects' part of its state."""
+        if rc == -1:
             bad = ids[(ids < 0) | (ids >= self.E)]
             raise ValueError(f"layer {layer}: expert ids {bad[:8].tolist()} outside [0, {self.E})")
+        self.planner.caches[layer].n_free = int(self.out[FREE])
+        if self.lru:
+            self.planner.retention.now = self.planner.step
+
+    def unpack(self, layer: int) -> LayerPlan:
+        """The LayerPlan that the last `run` left in the output buffer."""
+        p = self.planner
         h = self.out[: self.header].tolist()  # where each array starts (plan.c's pack)
         out = self.out[: h[END]].copy()  # the plan's own
-        cache.n_free = h[FREE]
-        if self.lru:
-            p.retention.now = p.step
         parts = {k: out[h[i] : h[i + 1]] for i, k in enumerate(REGIONS)}
         counts = parts.pop("counts")  # [E] tokens per expert
         predicted_hits = p.ahead.score(layer, counts)  # of those copied at the layer before

@@ -47,8 +47,9 @@ typedef struct {
     uint8_t *loaded, *seen;                  /* [L] StaticHot */
     double copy_per, copy_fixed, cpu_fixed, cpu_tok;
     int64_t *scratch;  /* (N_SCRATCH + N_OUT) x (E + 1) */
-    const int64_t *ids; /* [n] this forward's routing, flat */
-    const double *weights;
+    int64_t *ids; /* [routing_cap] this forward's routing, flat */
+    double *weights;
+    int64_t routing_cap;
     int64_t *out; /* HEADER + N_OUT x (E + 1) + E / 2 + 1 */
     int64_t *maps; /* [L, map_rows, E] slot maps for the engine, or NULL */
     int64_t map_rows;
@@ -383,6 +384,23 @@ static void pack(const Bind *b, int64_t *o, const int64_t *n, const int32_t *slo
     memcpy(b->out + at, slot_of, (size_t)E * sizeof(int32_t));
     h[N_OUT + 1] = at + (E + 1) / 2;
     h[N_OUT + 2] = n_free;
+}
+
+/* The routing of n pairs, ids int64 and weights fp32 (as the engine reads them back from the
+ * device), into b->ids / b->weights; -3 when they do not fit. */
+int64_t oled_route_in(const Bind *b, const int64_t *ids, const float *weights, int64_t n) {
+    if (n > b->routing_cap) return -3;
+    memcpy(b->ids, ids, (size_t)n * sizeof(int64_t));
+    for (int64_t i = 0; i < n; i++) b->weights[i] = (double)weights[i];
+    return 0;
+}
+
+/* Free slots of a layer's cache (its ExpertCache.n_free). */
+int64_t oled_free_slots(const Bind *b, int64_t layer) {
+    const int32_t *expert_in = (const int32_t *)(intptr_t)b->expert_in[layer];
+    int64_t n = 0;
+    for (int64_t s = 0; s < b->capacity[layer]; s++) n += expert_in[s] < 0;
+    return n;
 }
 
 /* Planner.plan for one MoE layer over the n routed pairs in b->ids / b->weights; returns 0, or

@@ -71,3 +71,17 @@ def test_planner_row_says_whether_plans_run_compiled(monkeypatch):
     assert env.planner_row().startswith("compiled")
     monkeypatch.setattr(native, "_load", lambda: native.NativeUnavailable("no C compiler found"))
     assert env.planner_row() == "Python (compiled planner unavailable: no C compiler found)"
+
+
+def test_launches_row_says_why_layer_calls_launch_in_python(monkeypatch):
+    import torch
+
+    from oled import env
+    from oled.offload import copies
+
+    if not torch.cuda.is_available():
+        assert env.launches_row() == "Python (no CUDA device)"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(copies, "_runtime_library", lambda: None)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec", lambda self: 0, raising=False)
+    assert env.launches_row().startswith("Python (the CUDA runtime lacks cudaMemcpyAsync")

@@ -80,3 +80,4 @@ def test_run_follows_the_resident_tokens(tmp_path: Path, mlflow_uri: str) -> Non
     client = MlflowClient(mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("follow").experiment_id])
     assert run.data.tags["oled.planner"] == "compiled"  # the run says how it planned
+    assert run.data.tags["oled.launch"] == "python"  # and launched (on the CPU: no driver)

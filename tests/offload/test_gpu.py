@@ -78,8 +78,44 @@ def test_gpu_only_policies_are_bit_exact(tiny_dir, reference, frac, graphs):
     assert s["copies"] > 0 and s["staged"] > 0
     assert got == reference
     assert (getattr(rt.forward, "replays", 0) > 0) == graphs
-    if graphs:  # the staged rounds replay as graphs too
+    if graphs:  # the staged rounds replay as graphs too, launched from C once captured
         assert max(key[2] for key in rt.executor.graphs.graphs) >= STAGED
+        assert rt.executor.driver is not None and rt.executor.driver.launched > 0
+
+
+DRIVEN = {  # budget, compensation, adaptive allocation, stage capacity
+    "staged-rounds": (0.125, C.TransferOnly(), False, 4),
+    "cpu-experts": (0.25, C.CpuOnly(), False, 8),
+    "adaptive-resizes": (0.25, C.TransferOnly(), True, 8),
+}
+
+
+@pytest.mark.parametrize("case", DRIVEN)
+def test_launches_from_c_give_the_python_launches_tokens(tiny_dir, case):
+    """Layer calls launched from C (oled.offload.driver) against the same runtime launching in
+    Python: the same tokens and the same counts (CPU experts included: same host, same sums),
+    most calls launched from C; timings recorded both ways."""
+    frac, comp, adaptive, stage = DRIVEN[case]
+    runs = {}
+    for driver in (True, False):
+        rt = build_runtime(
+            model=str(tiny_dir), device="cuda", dtype="bfloat16", cost="h200",
+            budget=Budget("expert_fraction", frac), retention=R.LRURetention(),
+            compensation=type(comp)(), stage_capacity=stage, driver=driver,
+            allocation=A.AdaptiveAllocation(min_shift=0) if adaptive else A.UniformAllocation(),
+        )  # fmt: skip
+        runs[driver] = (tokens(rt), rt.stats(), rt.executor)
+    (got, s, engine), (want, s_py, _) = runs[True], runs[False]
+    assert got == want
+    for name in ("hits", "misses", "copies", "staged", "cpu_experts", "cpu_tokens"):
+        assert s[name] == s_py[name], name
+    if case == "cpu-experts":
+        assert s["cpu_experts"] > 0
+    assert engine.driver.launched > 0
+    m = engine.metrics  # the last generation's, from both paths
+    timed = ("cpu_ms",) if case == "cpu-experts" else ("copy_ms", "stall_ms", "launch_ms")
+    for name in ("calls", "plan_ms", "pass_ms", "host_ms", *timed):
+        assert m.total(name) > 0, name
 
 
 def test_graphed_adaptive_allocation_is_bit_exact(tiny_dir, reference):

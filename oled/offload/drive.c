@@ -1,0 +1,262 @@
+/* The offload engine's static layer call in C (oled/offload/driver.py loads it with plan.c):
+ * the plan (oled_plan), then every launch of the layer through the CUDA runtime, in the order of
+ * the engine's Python path (oled/offload/engine.py): the copies into cache slots on the copy
+ * stream between two timing events, the CPU experts' activations to pinned host memory, the
+ * slot maps, the hits' pass graph, the wait for the copies, the copied experts' pass graph,
+ * then the staged rounds (each waits for the stage's earlier users, copies, waits, passes).
+ *
+ * No CUDA header is needed: the runtime's entry points come as addresses from the libcudart
+ * that torch loaded. A call declines to launch (returns 0 after planning) when a pass it needs
+ * has no captured graph yet or the event pool is full; the engine then launches in Python.
+ */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+
+int64_t oled_plan(const void *b, int64_t layer, int64_t n, int64_t step, int64_t block,
+                  double copy_q, double cpu_q, double slowdown, int64_t gpu_only, int64_t n_free);
+int64_t oled_route_in(const void *b, const int64_t *ids, const float *weights, int64_t n);
+int64_t oled_free_slots(const void *b, int64_t layer);
+
+typedef int (*memcpy_fn)(void *dst, const void *src, size_t bytes, int kind, void *stream);
+typedef int (*batch13_fn)(void **dsts, void **srcs, size_t *sizes, size_t count, void *attrs,
+                          size_t *attr_index, size_t n_attrs, void *stream);
+typedef int (*batch12_fn)(void **dsts, void **srcs, size_t *sizes, size_t count, void *attrs,
+                          size_t *attr_index, size_t n_attrs, size_t *failed, void *stream);
+typedef int (*record_fn)(void *event, void *stream);
+typedef int (*wait_fn)(void *stream, void *event, unsigned flags);
+typedef int (*graph_fn)(void *exec, void *stream);
+typedef int (*create_fn)(void **event);
+typedef int (*elapsed_fn)(float *ms, void *start, void *end);
+
+enum { H2D = 1, D2H = 2 };                /* cudaMemcpyKind */
+enum { ROW_HIT, ROW_COPIED, ROW_STAGED }; /* slot-map rows, as in plan.c */
+enum { LOG_COPY, LOG_STALL };             /* what a logged event pair timed */
+/* The plan's header in Bind.out (plan.c: pack): starts of the arrays, then the extras. */
+enum { OUT_COPY_E = 3, OUT_COPY_S = 4, OUT_STAGE_E = 5, OUT_STAGE_S = 6, OUT_CPU_E = 7,
+       OUT_CPU_T = 8, N_OUT = 11, MAP_ROWS = N_OUT + 3 };
+/* Columns of Drive.counts' rows: what the engine's metrics add per layer call. */
+enum { C_HITS, C_MISSES, C_COPIES, C_STAGED, C_CPU_EXPERTS, C_CPU_TOKENS, C_GPU_EXPERTS,
+       C_PLAN_MS, C_LAUNCH_MS, C_PASS_MS, C_CALLS, C_COPY_MS, C_STALL_MS, N_COUNTS };
+
+/* Mirrors oled.offload.driver.Drive (ctypes). */
+typedef struct {
+    memcpy_fn memcpy_async;
+    void *memcpy_batch; /* batch12_fn or batch13_fn by batch_abi, or NULL */
+    record_fn record;
+    wait_fn wait;
+    graph_fn launch;
+    create_fn create;
+    elapsed_fn elapsed;
+    int64_t batch_abi, batch_min; /* 12 or 13; batch from this many experts (0: never) */
+    void *batch_attrs;            /* one cudaMemcpyAttributes for every copy */
+    void *compute, *copy;         /* streams */
+    int64_t *src13, *src2, *cache13, *cache2; /* [L] table base addresses */
+    int64_t stage13, stage2, size13, size2;   /* stage tables; bytes per expert */
+    int64_t stage_capacity;                   /* experts per staged round */
+    const void *bind;                         /* the planner's plan.c Bind */
+    const int64_t *out;                       /* its output: header, then the plan's arrays */
+    int64_t maps_host, maps_dev, map_rows, num_experts; /* [L, map_rows, E] int64 */
+    void **events;              /* [n_events] timing events, created on first use */
+    int64_t n_events, used;
+    int64_t *log;               /* [log_cap, 4]: layer, kind, start event, end event */
+    int64_t log_cap, logged;
+    void *stage_free;           /* after the last staged pass (NULL: the stage is free) */
+    void *cpu_ready;            /* out: the CPU experts' activations are on the host */
+    double *counts;             /* [L, N_COUNTS] sums since the last collect */
+    void **srcs, **dsts;        /* [2 E] batched copy arguments */
+    size_t *sizes, failed, attr_index;
+    int64_t error;              /* the runtime's error code of a failed call */
+} Drive;
+
+/* One (layer, tokens) key's static call: its pass graphs by slot-map row (0: not captured
+ * yet), its routing on the host (pinned: ids int64, weights fp32, `pairs` of each) and its
+ * activations (for CPU experts). Mirrors oled.offload.driver.Call. */
+typedef struct {
+    int64_t *execs; /* [n_execs] */
+    int64_t n_execs, ids_host, w_host, pairs, x_dev, x_host, x_bytes;
+} Call;
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+#define CHECK(call)                                                                              \
+    do {                                                                                         \
+        int err_ = (call);                                                                       \
+        if (err_) {                                                                              \
+            d->error = err_;                                                                     \
+            return -2;                                                                           \
+        }                                                                                        \
+    } while (0)
+
+/* The next event of the pool recorded on `stream` into *out. */
+static int64_t record(Drive *d, void *stream, void **out) {
+    void **ev = &d->events[d->used++];
+    if (!*ev) CHECK(d->create(ev));
+    CHECK(d->record(*ev, stream));
+    *out = *ev;
+    return 0;
+}
+
+/* Copy experts e[i] of the layer's sources into rows s[i] of the tables (d13, d2); timed on
+ * the copy stream; *done: the event they complete. */
+static int64_t copies(Drive *d, int64_t layer, const int64_t *e, const int64_t *s, int64_t n,
+                      int64_t d13, int64_t d2, void **done) {
+    void *begin;
+    if (record(d, d->copy, &begin)) return -2;
+    int64_t s13 = d->src13[layer], s2 = d->src2[layer], z13 = d->size13, z2 = d->size2;
+    if (d->memcpy_batch && d->batch_min && n >= d->batch_min) {
+        for (int64_t i = 0; i < n; i++) { /* [2n]: the w13 rows, then the w2 rows */
+            d->srcs[i] = (void *)(intptr_t)(s13 + e[i] * z13);
+            d->dsts[i] = (void *)(intptr_t)(d13 + s[i] * z13);
+            d->sizes[i] = (size_t)z13;
+            d->srcs[n + i] = (void *)(intptr_t)(s2 + e[i] * z2);
+            d->dsts[n + i] = (void *)(intptr_t)(d2 + s[i] * z2);
+            d->sizes[n + i] = (size_t)z2;
+        }
+        size_t count = (size_t)(2 * n);
+        if (d->batch_abi == 12)
+            CHECK(((batch12_fn)d->memcpy_batch)(d->dsts, d->srcs, d->sizes, count, d->batch_attrs,
+                                                &d->attr_index, 1, &d->failed, d->copy));
+        else
+            CHECK(((batch13_fn)d->memcpy_batch)(d->dsts, d->srcs, d->sizes, count, d->batch_attrs,
+                                                &d->attr_index, 1, d->copy));
+    } else {
+        for (int64_t i = 0; i < n; i++)
+            CHECK(d->memcpy_async((void *)(intptr_t)(d13 + s[i] * z13),
+                                  (void *)(intptr_t)(s13 + e[i] * z13), (size_t)z13, H2D,
+                                  d->copy));
+        for (int64_t i = 0; i < n; i++)
+            CHECK(d->memcpy_async((void *)(intptr_t)(d2 + s[i] * z2),
+                                  (void *)(intptr_t)(s2 + e[i] * z2), (size_t)z2, H2D, d->copy));
+    }
+    if (record(d, d->copy, done)) return -2;
+    int64_t *row = d->log + 4 * d->logged++;
+    row[0] = layer, row[1] = LOG_COPY, row[2] = (int64_t)(intptr_t)begin,
+    row[3] = (int64_t)(intptr_t)*done;
+    return 0;
+}
+
+/* The compute stream waits for `copied`, timed as the layer's stall. */
+static int64_t wait(Drive *d, int64_t layer, void *copied) {
+    void *start, *end;
+    if (record(d, d->compute, &start)) return -2;
+    CHECK(d->wait(d->compute, copied, 0));
+    if (record(d, d->compute, &end)) return -2;
+    int64_t *row = d->log + 4 * d->logged++;
+    row[0] = layer, row[1] = LOG_STALL, row[2] = (int64_t)(intptr_t)start,
+    row[3] = (int64_t)(intptr_t)end;
+    return 0;
+}
+
+/* Whether the call can launch: a graph for every pass and room for its events and log rows. */
+static int ready(const Drive *d, const Call *c, int64_t rows, int64_t n_copy, int64_t n_cpu) {
+    if (rows > c->n_execs) return 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (!c->execs[r] && (r != ROW_COPIED || n_copy)) return 0;
+    if (n_cpu && !c->x_host) return 0;
+    int64_t rounds = rows - ROW_STAGED;
+    int64_t events = 4 + 5 * rounds + 1, logs = 2 + 2 * rounds;
+    return d->used + events <= d->n_events && d->logged + logs <= d->log_cap;
+}
+
+static int64_t launch(Drive *d, const Call *c, int64_t layer, int64_t rows) {
+    const int64_t *h = d->out, *out = d->out, E = d->num_experts;
+    int64_t n_copy = h[OUT_COPY_E + 1] - h[OUT_COPY_E];
+    int64_t n_stage = h[OUT_STAGE_E + 1] - h[OUT_STAGE_E];
+    int64_t n_cpu = h[OUT_CPU_E + 1] - h[OUT_CPU_E];
+    double t0 = now();
+    void *copied = NULL;
+    if (n_copy && copies(d, layer, out + h[OUT_COPY_E], out + h[OUT_COPY_S], n_copy,
+                         d->cache13[layer], d->cache2[layer], &copied))
+        return -2;
+    double t1 = now();
+    if (n_cpu) { /* the CPU experts' activations start for the host before the passes */
+        CHECK(d->memcpy_async((void *)(intptr_t)c->x_host, (void *)(intptr_t)c->x_dev,
+                              (size_t)c->x_bytes, D2H, d->compute));
+        if (record(d, d->compute, &d->cpu_ready)) return -2;
+    }
+    int64_t at = layer * d->map_rows * E * 8;
+    CHECK(d->memcpy_async((void *)(intptr_t)(d->maps_dev + at),
+                          (void *)(intptr_t)(d->maps_host + at), (size_t)(rows * E * 8), H2D,
+                          d->compute));
+    double t2 = now();
+    CHECK(d->launch((void *)(intptr_t)c->execs[ROW_HIT], d->compute));
+    if (n_copy) {
+        if (wait(d, layer, copied)) return -2;
+        CHECK(d->launch((void *)(intptr_t)c->execs[ROW_COPIED], d->compute));
+    }
+    int64_t size = d->stage_capacity; /* round r holds staged experts [r size, (r + 1) size) */
+    const int64_t *stage_e = out + h[OUT_STAGE_E], *stage_s = out + h[OUT_STAGE_S];
+    for (int64_t r = ROW_STAGED, lo = 0; r < rows; r++, lo += size) {
+        int64_t k = n_stage - lo < size ? n_stage - lo : size;
+        if (d->stage_free) CHECK(d->wait(d->copy, d->stage_free, 0));
+        if (copies(d, layer, stage_e + lo, stage_s + lo, k, d->stage13, d->stage2, &copied))
+            return -2;
+        if (wait(d, layer, copied)) return -2;
+        CHECK(d->launch((void *)(intptr_t)c->execs[r], d->compute));
+        if (record(d, d->compute, &d->stage_free)) return -2;
+    }
+    double t3 = now(), *row = d->counts + layer * N_COUNTS;
+    row[C_LAUNCH_MS] += 1e3 * (t1 - t0);
+    row[C_PASS_MS] += 1e3 * (t3 - t2);
+    return 1;
+}
+
+/* Plan the layer over the call's routing (oled_plan's other arguments; no queued load), then
+ * launch it when the call is ready; 1: launched, 0: planned only (the engine launches), -1: an
+ * expert id out of range, -2: a runtime call failed (d->error), -3: the routing does not fit
+ * the planner's buffers (nothing planned). A launched call's counts go to d->counts. */
+int64_t oled_layer(Drive *d, const Call *c, int64_t layer, int64_t step, int64_t block,
+                   double slowdown, int64_t gpu_only) {
+    double t0 = now();
+    int64_t rc = oled_route_in(d->bind, (const int64_t *)(intptr_t)c->ids_host,
+                               (const float *)(intptr_t)c->w_host, c->pairs);
+    if (rc) return rc;
+    rc = oled_plan(d->bind, layer, c->pairs, step, block, 0.0, 0.0, slowdown, gpu_only,
+                   oled_free_slots(d->bind, layer));
+    if (rc) return rc;
+    double t1 = now();
+    const int64_t *h = d->out, *out = d->out;
+    int64_t rows = h[MAP_ROWS];
+    int64_t n_copy = h[OUT_COPY_E + 1] - h[OUT_COPY_E];
+    int64_t n_cpu = h[OUT_CPU_E + 1] - h[OUT_CPU_E];
+    if (!ready(d, c, rows, n_copy, n_cpu)) return 0;
+    d->cpu_ready = NULL;
+    rc = launch(d, c, layer, rows);
+    if (rc != 1) return rc;
+    int64_t n_stage = h[OUT_STAGE_E + 1] - h[OUT_STAGE_E], tokens = 0;
+    for (int64_t i = h[OUT_CPU_T]; i < h[OUT_CPU_T + 1]; i++) tokens += out[i];
+    double *row = d->counts + layer * N_COUNTS;
+    row[C_HITS] += (double)(h[1] - h[0]);
+    row[C_MISSES] += (double)(h[2] - h[1]);
+    row[C_COPIES] += (double)(n_copy + n_stage);
+    row[C_STAGED] += (double)n_stage;
+    row[C_CPU_EXPERTS] += (double)n_cpu;
+    row[C_CPU_TOKENS] += (double)tokens;
+    row[C_GPU_EXPERTS] += (double)(h[3] - h[2] + n_stage);
+    row[C_PLAN_MS] += 1e3 * (t1 - t0);
+    row[C_CALLS] += 1;
+    return 1;
+}
+
+/* The logged event pairs' times into d->counts (both streams must be idle); the pool, the log
+ * and the stage are free again. Returns 0, or -2 when the runtime fails (d->error). */
+int64_t oled_collect(Drive *d) {
+    for (int64_t i = 0; i < d->logged; i++) {
+        int64_t *row = d->log + 4 * i;
+        float ms = 0;
+        CHECK(d->elapsed(&ms, (void *)(intptr_t)row[2], (void *)(intptr_t)row[3]));
+        d->counts[row[0] * N_COUNTS + (row[1] == LOG_COPY ? C_COPY_MS : C_STALL_MS)] += ms;
+    }
+    d->used = d->logged = 0;
+    d->stage_free = NULL;
+    return 0;
+}
+
+/* The number of columns of Drive.counts (the Python side checks its mirror). */
+int64_t oled_drive_counts(void) { return N_COUNTS; }
