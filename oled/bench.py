@@ -306,10 +306,13 @@ def machine() -> dict[str, str]:
             "platform": platform.platform()}  # fmt: skip
 
 
-def write_report(report_dir: Path, cfg: BenchConfig, rows: list[dict], device: str) -> Path:
+def write_report(
+    report_dir: Path, cfg: BenchConfig, rows: list[dict], device: str, path: Path | None = None
+) -> Path:
+    """The rows as bench-<time>.json in `report_dir`, or over `path` (the same report written
+    again after each row, so that the rows done survive a later failure)."""
     report_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = report_dir / f"bench-{stamp}.json"
+    path = path or report_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     body = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": sys.argv,
             "machine": machine(), "device": device, "config": asdict(cfg), "rows": rows}  # fmt: skip
     path.write_text(json.dumps(body, indent=2) + "\n")

@@ -184,7 +184,7 @@ def bench(
     ]  # fmt: skip
     for _, spec in specs:
         check(spec)
-    rows, used = [], "cpu"
+    rows, used, report = [], "cpu", None
     trajectory = b.Trajectory() if follow else None
     for label, spec in specs:
         rt = build(spec)
@@ -195,6 +195,8 @@ def bench(
         err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed runs, "
                           f"prompt {cfg.prompt_length}, {cfg.gen_length} tokens[/dim]")  # fmt: skip
         rows.append(b.bench_runtime(rt, cfg, label, trajectory))
+        if report_dir is not None and len(specs) > 1:  # the rows done, should a later one fail
+            report = b.write_report(report_dir, cfg, rows, used, report)
         del rt
         gc.collect()
     rows = b.with_ratios(rows)
@@ -205,7 +207,9 @@ def bench(
     if any("host_ms_per_iteration" in r for r in rows):
         out.print(b.host_table(rows))
     if report_dir is not None:
-        err_console.print(f"[dim]report: {b.write_report(report_dir, cfg, rows, used)}[/dim]")
+        err_console.print(
+            f"[dim]report: {b.write_report(report_dir, cfg, rows, used, report)}[/dim]"
+        )
 
 
 def register(app: typer.Typer) -> None:

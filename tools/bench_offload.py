@@ -161,6 +161,7 @@ def main() -> None:
         del rt
     del resident
     torch.cuda.empty_cache() if dev.type == "cuda" else None
+    report = write_report(Path(args.report_dir), cfg, rows, str(dev))  # rewritten after each row
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
     names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
     for frac in [float(f) for f in args.budgets.split(",") if f]:
@@ -193,7 +194,7 @@ def main() -> None:
             label += " recorded" if prefetch and oracle is not None else ""
             label += "" if planner.compiled else " python-planner"
             label += "" if batched else " copies-each"
-            label += " python-launch" if graphs and engine.driver is None else ""
+            label += " python-launch" if graphs and engine.cuda and engine.driver is None else ""
             rows.append(
                 bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), label, trajectory)
             )
@@ -202,6 +203,7 @@ def main() -> None:
                 print(f"{label}: CPU-expert slowdown now {p['compensation'].slowdown:.2f}")
             if graphs and kernels == kernel_modes[0] and args.cprofile == f"{name}@{frac:g}":
                 host_profile(rt, cfg, Path(args.report_dir) / "host_profile.txt")
+            report = write_report(Path(args.report_dir), cfg, rows, str(dev), report)  # so far
             print(f"done: {label}", flush=True)
             del rt, engine, planner
             torch.cuda.empty_cache() if dev.type == "cuda" else None
@@ -210,7 +212,7 @@ def main() -> None:
     if args.profile:
         console.print(stage_table(rows))
         console.print(host_table(rows))
-    print(f"report: {write_report(Path(args.report_dir), cfg, rows, str(dev))}")
+    print(f"report: {write_report(Path(args.report_dir), cfg, rows, str(dev), report)}")
 
 
 def recorded_routing(rt: Runtime, cfg: BenchConfig, trajectory: Trajectory):

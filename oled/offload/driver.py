@@ -229,8 +229,9 @@ class LayerDriver:
 
     @property
     def pending(self) -> bool:
-        """Whether events were recorded since the last `collect_events`."""
-        return bool(self.drive.used)
+        """Whether events were recorded or the stage's users handed over since the last
+        `collect_events`."""
+        return bool(self.drive.used or self.drive.stage_free)
 
     def collect_events(self) -> None:
         """Once both streams are idle: the logged copy and stall times into the counts; the

@@ -148,6 +148,31 @@ def test_bench_compares_recipes_side_by_side(tiny_dir, tmp_path):
     assert second["iterations"] == first["iterations"] and second["output"] == first["output"]
 
 
+def test_rows_done_stay_in_the_report_when_a_later_one_fails(tiny_dir, tmp_path, monkeypatch):
+    from oled import launch
+
+    recipes = []
+    for name in ("first", "second"):
+        recipes.append(tmp_path / f"{name}.toml")
+        recipes[-1].write_text(f'[model]\npath = "{tiny_dir}"\n[runtime]\ndevice = "cpu"\n'
+                               "[decoding]\nmax_new_tokens = 8\nblock_length = 8\n")  # fmt: skip
+    real, built = launch.build, []
+
+    def build_then_fail(spec):
+        built.append(spec)
+        if len(built) > 1:
+            raise RuntimeError("out of memory (test)")
+        return real(spec)
+
+    monkeypatch.setattr(launch, "build", build_then_fail)
+    args = ["bench", *map(str, recipes), "--prompt-length", "20", "--runs", "1",
+            "--warmup-runs", "0", "--report-dir", str(tmp_path / "out")]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0 and len(built) == 2
+    (report,) = (tmp_path / "out").glob("bench-*.json")
+    assert [row["label"] for row in json.loads(report.read_text())["rows"]] == ["first"]
+
+
 def test_bad_recipe_fails_with_one_line(tmp_path):
     recipe = tmp_path / "a.toml"
     recipe.write_text("[model]\npath = 'builtin:tiny'\n[runtime]\ndevcie = 'cpu'\n")
