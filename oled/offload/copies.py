@@ -79,13 +79,13 @@ def launch(
     batch = runtime_memcpy_batch() if _batching and len(rows) > 1 else None
     if batch is not None and stream.cuda_stream:  # not on the legacy default stream (0)
         # one call: about as long as two single copies' launches
-        _check(batch(src, dst, rows, into, handle), "cudaMemcpyBatchAsync")
+        check(batch(src, dst, rows, into, handle), "cudaMemcpyBatchAsync")
         return
     kind = _DEVICE_TO_DEVICE if src.on_cuda else _HOST_TO_DEVICE
     for t in (0, 1):
         s_base, d_base, size = src.base[t], dst.base[t], src.size[t]
         for r, i in zip(rows, into, strict=True):
-            _check(memcpy(d_base + int(i) * size, s_base + int(r) * size, size, kind, handle))
+            check(memcpy(d_base + int(i) * size, s_base + int(r) * size, size, kind, handle))
 
 
 def transfer(dst: Tensor, src: Tensor, stream: torch.cuda.Stream | None) -> None:
@@ -102,7 +102,7 @@ def transfer(dst: Tensor, src: Tensor, stream: torch.cuda.Stream | None) -> None
     kind = _DEVICE_TO_DEVICE if src.is_cuda and dst.is_cuda else _HOST_TO_DEVICE
     kind = _DEVICE_TO_HOST if src.is_cuda and not dst.is_cuda else kind
     handle = ctypes.c_void_p(stream.cuda_stream)
-    _check(memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes, kind, handle))
+    check(memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes, kind, handle))
 
 
 def _runtime_for(stream: torch.cuda.Stream | None):
@@ -112,7 +112,8 @@ def _runtime_for(stream: torch.cuda.Stream | None):
     return runtime_memcpy()
 
 
-def _check(err: int, call: str = "cudaMemcpyAsync") -> None:
+def check(err: int, call: str = "cudaMemcpyAsync") -> None:
+    """Raise for a CUDA runtime error code, naming the call and the runtime's message."""
     if err:
         raise RuntimeError(f"{call} failed: {_error_string(err)}")
 
@@ -131,15 +132,15 @@ def _torch_copies(src: Rows, dst: Rows, rows, into, stream) -> None:
 @cache
 def runtime_memcpy():
     """cudaMemcpyAsync of the CUDA runtime this torch loaded (ctypes), or None."""
-    found = _runtime_library()
-    if found is None:
-        return None
-    fn = found[0].cudaMemcpyAsync
-    fn.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
-    ]  # fmt: skip
-    fn.restype = ctypes.c_int
-    return fn
+    p = ctypes.c_void_p
+    return runtime_function("cudaMemcpyAsync", p, p, ctypes.c_size_t, ctypes.c_int, p)
+
+
+def runtime_function(name: str, *argtypes):
+    """The CUDA runtime's function `name` with these argument types, returning its error code
+    (ctypes), or None without the runtime or the function."""
+    address = runtime_entry(name)
+    return None if address is None else ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(address)
 
 
 class _MemLocation(ctypes.Structure):

@@ -14,10 +14,7 @@
 #include <stdint.h>
 #include <time.h>
 
-int64_t oled_plan(const void *b, int64_t layer, int64_t n, int64_t step, int64_t block,
-                  double copy_q, double cpu_q, double slowdown, int64_t gpu_only, int64_t n_free);
-int64_t oled_route_in(const void *b, const int64_t *ids, const float *weights, int64_t n);
-int64_t oled_free_slots(const void *b, int64_t layer);
+#include "plan.h"
 
 typedef int (*memcpy_fn)(void *dst, const void *src, size_t bytes, int kind, void *stream);
 typedef int (*batch13_fn)(void **dsts, void **srcs, size_t *sizes, size_t count, void *attrs,
@@ -30,12 +27,8 @@ typedef int (*graph_fn)(void *exec, void *stream);
 typedef int (*create_fn)(void **event);
 typedef int (*elapsed_fn)(float *ms, void *start, void *end);
 
-enum { H2D = 1, D2H = 2 };                /* cudaMemcpyKind */
-enum { ROW_HIT, ROW_COPIED, ROW_STAGED }; /* slot-map rows, as in plan.c */
-enum { LOG_COPY, LOG_STALL };             /* what a logged event pair timed */
-/* The plan's header in Bind.out (plan.c: pack): starts of the arrays, then the extras. */
-enum { OUT_COPY_E = 3, OUT_COPY_S = 4, OUT_STAGE_E = 5, OUT_STAGE_S = 6, OUT_CPU_E = 7,
-       OUT_CPU_T = 8, N_OUT = 11, MAP_ROWS = N_OUT + 3 };
+enum { H2D = 1, D2H = 2 };    /* cudaMemcpyKind */
+enum { LOG_COPY, LOG_STALL }; /* what a logged event pair timed */
 /* Columns of Drive.counts' rows: what the engine's metrics add per layer call. */
 enum { C_HITS, C_MISSES, C_COPIES, C_STAGED, C_CPU_EXPERTS, C_CPU_TOKENS, C_GPU_EXPERTS,
        C_PLAN_MS, C_LAUNCH_MS, C_PASS_MS, C_CALLS, C_COPY_MS, C_STALL_MS, N_COUNTS };
@@ -55,7 +48,7 @@ typedef struct {
     int64_t *src13, *src2, *cache13, *cache2; /* [L] table base addresses */
     int64_t stage13, stage2, size13, size2;   /* stage tables; bytes per expert */
     int64_t stage_capacity;                   /* experts per staged round */
-    const void *bind;                         /* the planner's plan.c Bind */
+    const Bind *bind;                         /* the planner's (plan.c) */
     const int64_t *out;                       /* its output: header, then the plan's arrays */
     int64_t maps_host, maps_dev, map_rows, num_experts; /* [L, map_rows, E] int64 */
     void **events;              /* [n_events] timing events, created on first use */
@@ -102,6 +95,13 @@ static int64_t record(Drive *d, void *stream, void **out) {
     return 0;
 }
 
+/* Log an event pair that timed `kind` for the layer (read by oled_collect). */
+static void log_pair(Drive *d, int64_t layer, int64_t kind, void *start, void *end) {
+    int64_t *row = d->log + 4 * d->logged++;
+    row[0] = layer, row[1] = kind, row[2] = (int64_t)(intptr_t)start;
+    row[3] = (int64_t)(intptr_t)end;
+}
+
 /* Copy experts e[i] of the layer's sources into rows s[i] of the tables (d13, d2); timed on
  * the copy stream; *done: the event they complete. */
 static int64_t copies(Drive *d, int64_t layer, const int64_t *e, const int64_t *s, int64_t n,
@@ -135,9 +135,7 @@ static int64_t copies(Drive *d, int64_t layer, const int64_t *e, const int64_t *
                                   (void *)(intptr_t)(s2 + e[i] * z2), (size_t)z2, H2D, d->copy));
     }
     if (record(d, d->copy, done)) return -2;
-    int64_t *row = d->log + 4 * d->logged++;
-    row[0] = layer, row[1] = LOG_COPY, row[2] = (int64_t)(intptr_t)begin,
-    row[3] = (int64_t)(intptr_t)*done;
+    log_pair(d, layer, LOG_COPY, begin, *done);
     return 0;
 }
 
@@ -147,28 +145,25 @@ static int64_t wait(Drive *d, int64_t layer, void *copied) {
     if (record(d, d->compute, &start)) return -2;
     CHECK(d->wait(d->compute, copied, 0));
     if (record(d, d->compute, &end)) return -2;
-    int64_t *row = d->log + 4 * d->logged++;
-    row[0] = layer, row[1] = LOG_STALL, row[2] = (int64_t)(intptr_t)start,
-    row[3] = (int64_t)(intptr_t)end;
+    log_pair(d, layer, LOG_STALL, start, end);
     return 0;
 }
 
 /* Whether the call can launch: a graph for every pass and room for its events and log rows. */
 static int ready(const Drive *d, const Call *c, int64_t rows, int64_t n_copy, int64_t n_cpu) {
-    if (rows > c->n_execs) return 0;
+    if (rows < MAP_STAGED || rows > c->n_execs) return 0; /* no slot maps written, or too many */
     for (int64_t r = 0; r < rows; r++)
-        if (!c->execs[r] && (r != ROW_COPIED || n_copy)) return 0;
+        if (!c->execs[r] && (r != MAP_COPIED || n_copy)) return 0;
     if (n_cpu && !c->x_host) return 0;
-    int64_t rounds = rows - ROW_STAGED;
+    int64_t rounds = rows - MAP_STAGED;
     int64_t events = 4 + 5 * rounds + 1, logs = 2 + 2 * rounds;
     return d->used + events <= d->n_events && d->logged + logs <= d->log_cap;
 }
 
-static int64_t launch(Drive *d, const Call *c, int64_t layer, int64_t rows) {
-    const int64_t *h = d->out, *out = d->out, E = d->num_experts;
-    int64_t n_copy = h[OUT_COPY_E + 1] - h[OUT_COPY_E];
-    int64_t n_stage = h[OUT_STAGE_E + 1] - h[OUT_STAGE_E];
-    int64_t n_cpu = h[OUT_CPU_E + 1] - h[OUT_CPU_E];
+/* Issue the planned layer's runtime calls (the plan's arrays and sizes in d->out). */
+static int64_t launch(Drive *d, const Call *c, int64_t layer, int64_t rows, int64_t n_copy,
+                      int64_t n_stage, int64_t n_cpu) {
+    const int64_t *out = d->out, *h = out, E = d->num_experts;
     double t0 = now();
     void *copied = NULL;
     if (n_copy && copies(d, layer, out + h[OUT_COPY_E], out + h[OUT_COPY_S], n_copy,
@@ -185,14 +180,14 @@ static int64_t launch(Drive *d, const Call *c, int64_t layer, int64_t rows) {
                           (void *)(intptr_t)(d->maps_host + at), (size_t)(rows * E * 8), H2D,
                           d->compute));
     double t2 = now();
-    CHECK(d->launch((void *)(intptr_t)c->execs[ROW_HIT], d->compute));
+    CHECK(d->launch((void *)(intptr_t)c->execs[MAP_HIT], d->compute));
     if (n_copy) {
         if (wait(d, layer, copied)) return -2;
-        CHECK(d->launch((void *)(intptr_t)c->execs[ROW_COPIED], d->compute));
+        CHECK(d->launch((void *)(intptr_t)c->execs[MAP_COPIED], d->compute));
     }
     int64_t size = d->stage_capacity; /* round r holds staged experts [r size, (r + 1) size) */
     const int64_t *stage_e = out + h[OUT_STAGE_E], *stage_s = out + h[OUT_STAGE_S];
-    for (int64_t r = ROW_STAGED, lo = 0; r < rows; r++, lo += size) {
+    for (int64_t r = MAP_STAGED, lo = 0; r < rows; r++, lo += size) {
         int64_t k = n_stage - lo < size ? n_stage - lo : size;
         if (d->stage_free) CHECK(d->wait(d->copy, d->stage_free, 0));
         if (copies(d, layer, stage_e + lo, stage_s + lo, k, d->stage13, d->stage2, &copied))
@@ -217,28 +212,28 @@ int64_t oled_layer(Drive *d, const Call *c, int64_t layer, int64_t step, int64_t
     int64_t rc = oled_route_in(d->bind, (const int64_t *)(intptr_t)c->ids_host,
                                (const float *)(intptr_t)c->w_host, c->pairs);
     if (rc) return rc;
-    rc = oled_plan(d->bind, layer, c->pairs, step, block, 0.0, 0.0, slowdown, gpu_only,
-                   oled_free_slots(d->bind, layer));
+    rc = oled_plan(d->bind, layer, c->pairs, step, block, 0.0, 0.0, slowdown, gpu_only);
     if (rc) return rc;
     double t1 = now();
     const int64_t *h = d->out, *out = d->out;
-    int64_t rows = h[MAP_ROWS];
+    int64_t rows = h[H_MAP_ROWS];
     int64_t n_copy = h[OUT_COPY_E + 1] - h[OUT_COPY_E];
+    int64_t n_stage = h[OUT_STAGE_E + 1] - h[OUT_STAGE_E];
     int64_t n_cpu = h[OUT_CPU_E + 1] - h[OUT_CPU_E];
     if (!ready(d, c, rows, n_copy, n_cpu)) return 0;
     d->cpu_ready = NULL;
-    rc = launch(d, c, layer, rows);
+    rc = launch(d, c, layer, rows, n_copy, n_stage, n_cpu);
     if (rc != 1) return rc;
-    int64_t n_stage = h[OUT_STAGE_E + 1] - h[OUT_STAGE_E], tokens = 0;
+    int64_t tokens = 0;
     for (int64_t i = h[OUT_CPU_T]; i < h[OUT_CPU_T + 1]; i++) tokens += out[i];
     double *row = d->counts + layer * N_COUNTS;
-    row[C_HITS] += (double)(h[1] - h[0]);
-    row[C_MISSES] += (double)(h[2] - h[1]);
+    row[C_HITS] += (double)(h[OUT_HITS + 1] - h[OUT_HITS]);
+    row[C_MISSES] += (double)(h[OUT_MISSES + 1] - h[OUT_MISSES]);
     row[C_COPIES] += (double)(n_copy + n_stage);
     row[C_STAGED] += (double)n_stage;
     row[C_CPU_EXPERTS] += (double)n_cpu;
     row[C_CPU_TOKENS] += (double)tokens;
-    row[C_GPU_EXPERTS] += (double)(h[3] - h[2] + n_stage);
+    row[C_GPU_EXPERTS] += (double)(h[OUT_GPU + 1] - h[OUT_GPU] + n_stage);
     row[C_PLAN_MS] += 1e3 * (t1 - t0);
     row[C_CALLS] += 1;
     return 1;

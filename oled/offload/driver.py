@@ -21,7 +21,13 @@ import numpy as np
 import torch
 
 from oled.offload import native
-from oled.offload.copies import batching, runtime_entry, runtime_memcpy_batch
+from oled.offload.copies import (
+    batching,
+    check,
+    runtime_entry,
+    runtime_function,
+    runtime_memcpy_batch,
+)
 
 if TYPE_CHECKING:
     from oled.offload.engine import OffloadEngine
@@ -133,10 +139,10 @@ class LayerDriver:
         self.use_batches(batching())
         self.ref = ctypes.byref(d)
         self.calls: dict[tuple[int, int], tuple[Call, np.ndarray, object]] = {}
-        self._sync = _function("cudaEventSynchronize", [_p])
-        self._wait = _function("cudaStreamWaitEvent", [_p, _p, ctypes.c_uint])
+        self._sync = runtime_function("cudaEventSynchronize", _p)
+        self._wait = runtime_function("cudaStreamWaitEvent", _p, _p, ctypes.c_uint)
         # the pool's events go with the driver, or at exit while the runtime is still loaded
-        weakref.finalize(self, _destroy, self.events, _function("cudaEventDestroy", [_p]))
+        weakref.finalize(self, _destroy, self.events, runtime_function("cudaEventDestroy", _p))
         self._stream = 0
         self._layer = self.lib.oled_layer
         self.launched = 0  # layer calls launched from C
@@ -177,7 +183,7 @@ class LayerDriver:
             self.plan.run(layer, ids, weights, None)
             return 0
         if rc == -2:
-            raise RuntimeError(f"layer {layer}: {_error(self.drive.error)}")
+            check(self.drive.error, f"layer {layer}: a CUDA runtime call")
         self.plan.finish(layer, rc, ids)
         self.launched += rc
         return rc
@@ -224,7 +230,9 @@ class LayerDriver:
         """The copy stream waits for the stage's users that launches from C recorded (before
         the Python path copies into the stage)."""
         if self.drive.stage_free:
-            _check(self._wait(copy_stream.cuda_stream, self.drive.stage_free, 0))
+            check(
+                self._wait(copy_stream.cuda_stream, self.drive.stage_free, 0), "cudaStreamWaitEvent"
+            )
             self.drive.stage_free = None
 
     @property
@@ -237,7 +245,7 @@ class LayerDriver:
         """Once both streams are idle: the logged copy and stall times into the counts; the
         event pool and the stage free again."""
         if self.lib.oled_collect(self.ref) == -2:
-            raise RuntimeError(f"reading timing events: {_error(self.drive.error)}")
+            check(self.drive.error, "cudaEventElapsedTime")
 
     def take_counts(self) -> np.ndarray:
         """The launched calls' counts and times since the last take [L, len(COUNTS)]."""
@@ -253,26 +261,10 @@ class RawEvent:
         self.handle, self._sync = handle, sync
 
     def synchronize(self) -> None:
-        _check(self._sync(self.handle))
+        check(self._sync(self.handle), "cudaEventSynchronize")
 
 
 def _destroy(events, destroy) -> None:
     for event in events:
         if event:
             destroy(event)  # its answer ignored: nothing to do about a failure here
-
-
-def _function(name: str, argtypes: list):
-    fn = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(runtime_entry(name))
-    return fn
-
-
-def _check(err: int) -> None:
-    if err:
-        raise RuntimeError(_error(err))
-
-
-def _error(err: int) -> str:
-    from oled.offload.copies import _error_string
-
-    return f"CUDA runtime call failed: {_error_string(err)}"

@@ -23,9 +23,9 @@ class EngineMetrics:
     compute and CPU experts), and of it plan_ms the planner's part (the policies' decisions),
     launch_ms launching the copies (into the cache and a layer ahead), pass_ms launching the
     expert passes (staged rounds with their copies included); the rest sends the slot maps
-    and hands the CPU its experts; calls the layer calls; predicted the copies made a layer ahead from the predicted routing
-    (also in copies, counted for the layer they fill), predicted_hits those the layer then
-    needed.
+    and hands the CPU its experts; calls the layer calls; predicted the copies made a layer
+    ahead from the predicted routing (also in copies, counted for the layer they fill),
+    predicted_hits those the layer then needed.
 
     `summary` gives the figures over all forwards, and apart for the generation's first forward
     ("prompt": it runs the prompt's tokens, so it misses most experts) and the rest ("decode").

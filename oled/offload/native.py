@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from oled.offload.planner import Planner
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("plan.c", "drive.c"))
+HEADERS = (Path(__file__).with_name("plan.h"),)  # in the build's tag, found beside the sources
 FLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
          "-fno-fast-math")  # fmt: skip  # no FMA contraction: the same rounding as numpy
 REGIONS = ("hits", "misses", "gpu_experts", "copy_experts", "copy_slots", "stage_experts",
@@ -108,7 +109,7 @@ def library() -> ctypes.CDLL:
 @cache
 def _load() -> ctypes.CDLL | NativeUnavailable:
     digest = hashlib.sha256(" ".join(FLAGS).encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         try:
             digest.update(source.read_bytes())
         except OSError as e:
@@ -125,7 +126,7 @@ def _load() -> ctypes.CDLL | NativeUnavailable:
     except OSError as e:
         return NativeUnavailable(f"cannot build or load {target}: {e}")
     lib.oled_plan.restype = _i
-    lib.oled_plan.argtypes = [_p, _i, _i, _i, _i, _d, _d, _d, _i, _i]
+    lib.oled_plan.argtypes = [_p, _i, _i, _i, _i, _d, _d, _d, _i]
     lib.oled_layout.restype = None
     lib.oled_layout.argtypes = [_i, _p]
     lib.oled_layer.restype = _i
@@ -252,15 +253,13 @@ class CompiledPlan:
         """Plan the layer in C; the plan stays in the output buffer (`unpack`)."""
         p = self.planner
         n = ids.size
-        if n > len(self.ids):
-            self._routing(n)
+        self.reserve(n)
         np.copyto(self.ids[:n], ids.reshape(-1), casting="same_kind")
         np.copyto(self.weights[:n], weights.reshape(-1))
         copy_q, cpu_q = (load.copy_queue_ms, load.cpu_queue_ms) if load else (0.0, 0.0)
         rc = self.lib.oled_plan(
-            self.ref, layer, n, p.step, p.block, copy_q, cpu_q, self.slowdown(), p.gpu_only,
-            p.caches[layer].n_free,
-        )  # fmt: skip
+            self.ref, layer, n, p.step, p.block, copy_q, cpu_q, self.slowdown(), p.gpu_only
+        )
         self.finish(layer, rc, ids)
 
     def slowdown(self) -> float:

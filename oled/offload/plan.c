@@ -9,29 +9,22 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "plan.h"
+
 enum { RET_LRU = 1, RET_LFU = 2, RET_SCORE_EMA = 3, RET_CONFIDENCE = 4 };
 enum {
     COMP_TRANSFER = 1, COMP_CPU = 2, COMP_BATCH = 3, COMP_MAKESPAN = 4, COMP_COOPERATIVE = 5,
     COMP_INTERVAL = 6, COMP_STATIC_HOT = 7
 };
 
-/* The plan's arrays, in this order; built in scratch regions, then packed into `out` after a
- * header of HEADER int64s: header[i] = where array i starts in out, header[N_OUT] = where the
- * slot map copy starts (int32 [E]), header[N_OUT + 1] = the end, header[N_OUT + 2] = the
- * cache's free slots after the plan, header[N_OUT + 3] = the slot-map rows written (see
- * write_maps). */
-enum {
-    OUT_HITS, OUT_MISSES, OUT_GPU, OUT_COPY_E, OUT_COPY_S, OUT_STAGE_E, OUT_STAGE_S, OUT_CPU_E,
-    OUT_CPU_T, OUT_EVICTED, OUT_COUNTS, N_OUT
-};
-enum { HEADER = 16 };
+/* The plan's arrays (plan.h: OUT_*) are built in scratch regions, then packed into `out`. */
 
 /* Scratch regions (int64 or double), each `num_experts + 1` long; the plan's arrays follow. */
 enum { S_REST, S_REFRESH, S_PREFETCH, S_WANT, S_PROTECT, S_QUEUE, S_CAND, S_ORDER, S_TMP,
        S_REUSE, S_WANT_REUSE, S_KEY, S_LEFT, S_CPU_LEFT, S_MASS, N_SCRATCH };
 
 /* Mirrors oled.offload.native.Bind (ctypes). */
-typedef struct {
+struct Bind {
     int64_t num_layers, num_experts, stage_capacity;
     double stats_alpha;
     int64_t *slot_of, *expert_in, *capacity; /* [L]: addresses of int32 [E] / int32 [C]; C */
@@ -53,7 +46,7 @@ typedef struct {
     int64_t *out; /* HEADER + N_OUT x (E + 1) + E / 2 + 1 */
     int64_t *maps; /* [L, map_rows, E] slot maps for the engine, or NULL */
     int64_t map_rows;
-} Bind;
+};
 
 #define N_STATS 12
 
@@ -344,7 +337,6 @@ static int64_t place(const Layer *L, const int64_t *experts, const int64_t *slot
  * cached expert the plan did not just copy, MAP_COPIED the slots of the experts copied now,
  * MAP_STAGED + r the stage slots of round r's staged experts; -1 elsewhere. Returns the rows
  * written. */
-enum { MAP_HIT, MAP_COPIED, MAP_STAGED };
 static int64_t write_maps(const Bind *b, int64_t layer, const int32_t *slot_of,
                           const int64_t *copy_e, const int64_t *copy_s, int64_t n_copy,
                           const int64_t *stage_e, const int64_t *stage_s, int64_t n_stage) {
@@ -380,10 +372,10 @@ static void pack(const Bind *b, int64_t *o, const int64_t *n, const int32_t *slo
         memcpy(b->out + at, region(o, E, i), (size_t)n[i] * sizeof(int64_t));
         at += n[i];
     }
-    h[N_OUT] = at;
+    h[H_SLOT_MAP] = at;
     memcpy(b->out + at, slot_of, (size_t)E * sizeof(int32_t));
-    h[N_OUT + 1] = at + (E + 1) / 2;
-    h[N_OUT + 2] = n_free;
+    h[H_END] = at + (E + 1) / 2;
+    h[H_FREE] = n_free;
 }
 
 /* The routing of n pairs, ids int64 and weights fp32 (as the engine reads them back from the
@@ -395,25 +387,18 @@ int64_t oled_route_in(const Bind *b, const int64_t *ids, const float *weights, i
     return 0;
 }
 
-/* Free slots of a layer's cache (its ExpertCache.n_free). */
-int64_t oled_free_slots(const Bind *b, int64_t layer) {
-    const int32_t *expert_in = (const int32_t *)(intptr_t)b->expert_in[layer];
-    int64_t n = 0;
-    for (int64_t s = 0; s < b->capacity[layer]; s++) n += expert_in[s] < 0;
-    return n;
-}
-
 /* Planner.plan for one MoE layer over the n routed pairs in b->ids / b->weights; returns 0, or
  * -1 when an id is outside [0, E). The decisions go to b->out (see pack). */
 int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t block,
-                  double copy_q, double cpu_q, double slowdown, int64_t gpu_only,
-                  int64_t n_free) {
+                  double copy_q, double cpu_q, double slowdown, int64_t gpu_only) {
     int64_t E = b->num_experts, *sc = b->scratch, *o = region(sc, E, N_SCRATCH);
     const int64_t *ids = b->ids;
     const double *w = b->weights;
     Layer L = {b, layer, step, E, b->capacity[layer], (int32_t *)(intptr_t)b->slot_of[layer],
                (int32_t *)(intptr_t)b->expert_in[layer], region(o, E, OUT_COUNTS),
                b->priority + layer * E};
+    int64_t n_free = 0; /* the cache's free slots (ExpertCache.n_free) */
+    for (int64_t s = 0; s < L.cap; s++) n_free += L.expert_in[s] < 0;
     int64_t *counts = L.counts, *hits = region(o, E, OUT_HITS), *misses = region(o, E, OUT_MISSES);
     memset(counts, 0, (size_t)E * sizeof(int64_t));
     for (int64_t i = 0; i < n; i++) {
@@ -515,7 +500,7 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
     int64_t sizes[N_OUT] = {n_hits, n_misses, n_gpu, n_cache, n_cache, n_stage, n_stage,
                             n_cpu, n_cpu, n_evicted, E};
     pack(b, o, sizes, L.slot_of, n_free);
-    b->out[N_OUT + 3] = b->maps ? write_maps(b, layer, L.slot_of, copy_e, copy_s, n_cache,
+    b->out[H_MAP_ROWS] = b->maps ? write_maps(b, layer, L.slot_of, copy_e, copy_s, n_cache,
                                              stage_e, stage_s, n_stage)
                                 : 0;
     return 0;
