@@ -60,7 +60,8 @@ def random_prompt(rt: Runtime, length: int, seed: int) -> list[int]:
     return ids
 
 
-def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, follow=None):
+def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, follow=None,
+                    replay: tuple[Any, int] | None = None):  # fmt: skip
     """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
     iterations (after the prompt's) of one extra eager generation under the profiler: every
     kernel and copy counts for the innermost stage that launched it. The graphs replay the same
@@ -70,7 +71,8 @@ def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3,
 
     graphed, rt.forward = rt.forward, EagerForward(rt.model)
     try:
-        window, off = _profiled(rt, prompt, decode, iterations, follow, device=True)
+        window, off = _profiled(rt, prompt, decode, iterations, follow, device=True,
+                                replay=replay)  # fmt: skip
     finally:
         rt.forward = graphed
     totals = _stage_device_us(window.profiler.events())
@@ -81,12 +83,13 @@ def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3,
     return out
 
 
-def host_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, follow=None):
+def host_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, follow=None,
+                   replay: tuple[Any, int] | None = None):  # fmt: skip
     """Host milliseconds per iteration of each stage range (inclusive: `copies` lies inside
     `host decision`) and of each CUDA API call (cudaGraphLaunch, cudaMemcpyAsync, ...), from a
     few iterations of one more generation run as the runtime runs it (graphs kept) under a
     CPU-only profiler: where the host path spends its time."""
-    window, _ = _profiled(rt, prompt, decode, iterations, follow, device=False)
+    window, _ = _profiled(rt, prompt, decode, iterations, follow, device=False, replay=replay)
     totals: dict[str, float] = {}
     for e in window.profiler.events():
         if e.name in STAGES or _is_api_call(e.name):
@@ -94,12 +97,17 @@ def host_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, 
     return {name: us / 1000 / max(1, window.seen) for name, us in totals.items()}
 
 
-def _profiled(rt: Runtime, prompt: list[int], decode, iterations: int, follow, *, device: bool):
-    """One generation (following `follow` if given) with iterations 1 .. `iterations` under the
-    profiler: (the window, the engine's figures)."""
+def _profiled(rt: Runtime, prompt: list[int], decode, iterations: int, follow, *, device: bool,
+              replay: tuple[Any, int] | None = None):  # fmt: skip
+    """One generation (following `follow` if given; the replay of (trace, prompt index) if
+    `replay`) with iterations 1 .. `iterations` under the profiler: (the window, the engine's
+    figures)."""
     window = _ProfileWindow(first=1, count=iterations, device=device)
     try:
-        _, off, _ = run_once(rt, prompt, decode, [window], follow)
+        if replay is not None:
+            _, off, _ = run_replay(rt, *replay, [window])
+        else:
+            _, off, _ = run_once(rt, prompt, decode, [window], follow)
     finally:
         window.stop()
     return window, off
@@ -195,6 +203,55 @@ def run_once(
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     return rt.last_stats, rt.offload_summary(), tokens
+
+
+def run_replay(rt: Runtime, trace, index: int, observers=()) -> tuple[Any, dict | None, list[int]]:
+    """One replay of traced prompt `index` (Runtime.replay_stream): its decoding statistics,
+    the offload engine's figures, its tokens."""
+    tokens: list[int] = []
+    for block in rt.replay_stream(trace, index, observers=observers):
+        tokens += block.new_tokens
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    return rt.last_stats, rt.offload_summary(), tokens
+
+
+@dataclass(frozen=True)
+class TraceWorkload:
+    """A routing trace whose prompts (by index) a benchmark row replays instead of a random
+    prompt (oled.decoding.replay)."""
+
+    trace: Any
+    prompts: tuple[int, ...]
+    name: str = "trace"
+
+
+def bench_replay(rt: Runtime, cfg: BenchConfig, label: str, work: TraceWorkload) -> dict:
+    """One configuration on a trace's routing: warm-up replays, then `runs` timed passes over
+    the selected prompts (each prompt's replay one run), one row of figures. Every row replays
+    the same schedule, so no trajectory is followed; the prompt and generation lengths, block
+    length and threshold come from the trace."""
+    n = len(work.prompts)
+    for i in range(cfg.warmup_runs):
+        run_replay(rt, work.trace, work.prompts[i % n])
+    runs, offload, outputs = [], [], []
+    for _ in range(cfg.runs):
+        for index in work.prompts:
+            stats, off, tokens = run_replay(rt, work.trace, index)
+            runs.append(stats)
+            outputs.append(tokens)
+            offload += [off] if off is not None else []
+    row = summarise(label, runs, offload)
+    first = (work.trace, work.prompts[0])
+    if cfg.profile and rt.device.type == "cuda":
+        row["stages_ms_per_iteration"] = stage_breakdown(rt, [], None, replay=first)
+    if cfg.profile:
+        row["host_ms_per_iteration"] = host_breakdown(rt, [], None, replay=first)
+    row["output"] = hashlib.sha1(repr(outputs[0]).encode()).hexdigest()[:12]
+    row["routing"] = {"trace": work.name, "prompts": list(work.prompts)}
+    row["kernels"] = kernels.describe(rt.device)
+    row["graphs"] = bool(getattr(rt.forward, "graphed", False)) and rt.device.type == "cuda"
+    return row
 
 
 def bench_decode(rt: Runtime, cfg: BenchConfig):

@@ -166,6 +166,23 @@ def bench(
             "work (CPU experts agree with the GPU to a tolerance only)."
         ),
     ] = True,
+    routing: Annotated[
+        str | None,
+        typer.Option(
+            "--routing",
+            help="model: the routers' own; trace:PATH: replay a routing trace's routing, "
+            "commits and confidences on every row (its prompts replace the random one; "
+            "default: each recipe's workload.routing).",
+        ),
+    ] = None,
+    prompts: Annotated[
+        str | None,
+        typer.Option(
+            "--prompts",
+            help="With a trace: which of its prompts to replay (I, A:B or a comma-separated "
+            "list; default: the recipe's workload.trace_prompts, else all).",
+        ),
+    ] = None,
 ) -> None:
     """Benchmark ms per iteration, tokens/s and offload figures; compare recipes side by side."""
     import gc
@@ -184,17 +201,27 @@ def bench(
     ]  # fmt: skip
     for _, spec in specs:
         check(spec)
+    works = [_trace_workload(spec, routing, prompts) for _, spec in specs]
+    if prompts is not None and not any(works):
+        raise ValueError("--prompts selects traced prompts: give --routing trace:PATH")
     rows, used, report = [], "cpu", None
     trajectory = b.Trajectory() if follow else None
-    for label, spec in specs:
+    for (label, spec), work in zip(specs, works, strict=True):
         rt = build(spec)
         used = str(rt.device)
         if profile and rt.device.type != "cuda":
             err_console.print(f"[yellow]--profile: no device timeline on {rt.device}; "
                               "host time per stage only[/yellow]")  # fmt: skip
-        err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed runs, "
-                          f"prompt {cfg.prompt_length}, {cfg.gen_length} tokens[/dim]")  # fmt: skip
-        rows.append(b.bench_runtime(rt, cfg, label, trajectory))
+        if work is not None:
+            err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed "
+                              f"passes over {len(work.prompts)} prompts of {work.name} "
+                              "(routing, commits and lengths from the trace)[/dim]")  # fmt: skip
+            rows.append(b.bench_replay(rt, cfg, label, work))
+        else:
+            err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed "
+                              f"runs, prompt {cfg.prompt_length}, {cfg.gen_length} tokens"
+                              "[/dim]")  # fmt: skip
+            rows.append(b.bench_runtime(rt, cfg, label, trajectory))
         if report_dir is not None and len(specs) > 1:  # the rows done, should a later one fail
             report = b.write_report(report_dir, cfg, rows, used, report)
         del rt
@@ -210,6 +237,43 @@ def bench(
         err_console.print(
             f"[dim]report: {b.write_report(report_dir, cfg, rows, used, report)}[/dim]"
         )
+
+
+_TRACES: dict[Path, object] = {}  # traces loaded by this process, by path
+
+
+def _trace_workload(spec, routing: str | None, prompts: str | None):
+    """The trace workload (oled.bench.TraceWorkload) a bench row replays, or None: `--routing`
+    (paths from the working directory) over the row's recipe's `workload.routing`; checked
+    against the row's model geometry before anything loads."""
+    from oled.bench import TraceWorkload
+    from oled.decoding.replay import check_geometry, select_prompts
+    from oled.model.config import ModelConfig
+    from oled.recipe import TRACE, load_recipe, routing_trace
+    from oled.runtime import resolve_model
+    from oled.trace.format import Trace
+
+    recipe = load_recipe(spec.recipe) if spec.recipe is not None else None
+    if routing is not None:
+        if routing != "model" and not (routing.startswith(TRACE) and routing[len(TRACE) :]):
+            raise ValueError(f"--routing: expected 'model' or 'trace:PATH' (got {routing!r})")
+        path = routing_trace(routing)
+    else:
+        path = recipe.routing_trace() if recipe is not None else None
+        if prompts is None and recipe is not None:
+            prompts = recipe.workload.trace_prompts
+    if path is None:
+        return None
+    if not path.is_file():
+        raise ValueError(f"no such trace file: {path}")
+    path = path.resolve()
+    if path not in _TRACES:
+        _TRACES[path] = Trace.load(path)
+    trace = _TRACES[path]
+    model = recipe.model.path if recipe is not None else spec.model
+    check_geometry(trace, ModelConfig.from_json(resolve_model(model)))
+    chosen = select_prompts(prompts, int((trace.step == 0).sum()))
+    return TraceWorkload(trace=trace, prompts=tuple(chosen), name=path.name)
 
 
 def register(app: typer.Typer) -> None:

@@ -33,6 +33,7 @@ from oled import registry as reg
 from oled.registry import REQUIRED, ComponentImportError, UnknownComponentError, suggest
 
 BUILTIN = "builtin:"
+TRACE = "trace:"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$")
 _UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -157,6 +158,20 @@ class WorkloadSection(Strict):
     repeats: int = Field(1, ge=1)
     chat: bool = True
     follow: bool = False  # commit the all-resident model's tokens (Runtime.reference)
+    routing: str = "model"  # "model" (the routers') or "trace:PATH" (a routing replay)
+    trace_prompts: str | None = None  # with a trace: which of its prompts (I, A:B, list; all)
+
+    @field_validator("routing")
+    @classmethod
+    def _routing(cls, value: str) -> str:
+        if value != "model" and not (value.startswith(TRACE) and value.removeprefix(TRACE)):
+            raise ValueError(f"expected 'model' or 'trace:PATH' (got {value!r})")
+        return value
+
+    @field_validator("trace_prompts", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
     @field_validator("prompts")
     @classmethod
@@ -249,6 +264,10 @@ class Recipe(Strict):
         """The file's stem, or `recipe`."""
         return self._path.stem if self._path else "recipe"
 
+    def routing_trace(self) -> Path | None:
+        """The trace file that `workload.routing` replays (None: the model routes itself)."""
+        return routing_trace(self.workload.routing, self._path.parent if self._path else None)
+
     def data(self) -> dict[str, Any]:
         """The recipe as plain TOML-ready data (None values dropped)."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -260,6 +279,8 @@ class Recipe(Strict):
     def hash(self) -> str:
         """Short digest of what decides the measurement (tracking and tune excluded)."""
         data = {k: v for k, v in self.data().items() if k not in ("tracking", "tune")}
+        if data["workload"].get("routing") == "model":  # the default: hashes as before the key
+            del data["workload"]["routing"]
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -272,7 +293,8 @@ class Recipe(Strict):
         raw = self.data()
         for key, value in values.items():
             _assign(raw, key.split("."), value, f"--set {key}")
-        recipe = validate(raw, source=None, lines={}, overrides=set(values))
+        base = self._path.parent if self._path else None
+        recipe = validate(raw, source=None, lines={}, overrides=set(values), base=base)
         recipe._path = self._path
         return recipe
 
@@ -346,13 +368,18 @@ def validate(
     lines: dict[tuple[str, ...], int],
     overrides: set[str] = frozenset(),  # type: ignore[assignment]
     skip: Iterable[str] = (),
+    base: Path | None = None,
 ) -> Recipe:
-    """Validate raw data into a Recipe, checking component params and tuned keys."""
+    """Validate raw data into a Recipe, checking component params, tuned keys and the routing
+    trace (relative paths from `base`, by default the source's folder)."""
     where = _Locator(source, lines, overrides)
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:
         raise RecipeError(where.describe(exc, Recipe)) from None
+    if base is None and source is not None:
+        base = source.parent
+    _check_routing(recipe.workload, where, base)
     skip = set(skip)
     for kind in reg.POLICY_KINDS:
         component = getattr(recipe.policy, kind)
@@ -361,6 +388,41 @@ def validate(
     if recipe.tune is not None:
         _check_tuned_keys(raw, recipe.tune, where, skip)
     return recipe
+
+
+def routing_trace(routing: str, base: Path | None = None) -> Path | None:
+    """The trace file of a `workload.routing` value (None for "model"): a relative path is
+    looked up next to the recipe (`base`) first, then from the working directory."""
+    if not routing.startswith(TRACE):
+        return None
+    path = Path(routing.removeprefix(TRACE)).expanduser()
+    if not path.is_absolute() and base is not None and (base / path).exists():
+        return base / path
+    return path
+
+
+def _check_routing(workload: WorkloadSection, where: _Locator, base: Path | None) -> None:
+    """A trace routing names a readable trace file, and the prompt selection fits it."""
+    path = routing_trace(workload.routing, base)
+    if path is None:
+        if workload.trace_prompts is not None:
+            problem = "needs workload.routing = 'trace:PATH'"
+            raise RecipeError(where.line(("workload", "trace_prompts"), problem))
+        return
+    from oled.trace.format import prompt_count
+
+    try:
+        count = prompt_count(path)
+    except FileNotFoundError:
+        raise RecipeError(where.line(("workload", "routing"), f"no such file: {path}")) from None
+    except ValueError as exc:
+        raise RecipeError(where.line(("workload", "routing"), str(exc))) from None
+    from oled.decoding.replay import select_prompts
+
+    try:
+        select_prompts(workload.trace_prompts, count)
+    except ValueError as exc:
+        raise RecipeError(where.line(("workload", "trace_prompts"), str(exc))) from None
 
 
 def component_model(kind: str, name: str) -> type[BaseModel]:

@@ -15,6 +15,7 @@ import torch
 from oled import kernels as fused_kernels
 from oled.decoding import BlockDecoder, BlockInfo, DecodeConfig, DecodeObserver, GenerationStats
 from oled.decoding.follow import Trajectory
+from oled.decoding.replay import RoutingReplay, special_ids
 from oled.env import cache_home
 from oled.model.checkpoint import Checkpoint, load_checkpoint
 from oled.model.experts import ResidentExperts
@@ -124,6 +125,7 @@ class Runtime:
         self.observers = list(observers)
         checkpoint.model.set_executor(executor)
         self.last_stats = GenerationStats()
+        self._replay: RoutingReplay | None = None  # the last trace replayed
         self.forward = (
             GraphedForward(checkpoint.model, executor)
             if graphs and device.type == "cuda"
@@ -181,6 +183,54 @@ class Runtime:
                 yield block
         finally:
             self.last_stats = decoder.stats
+
+    def routing_replay(self, trace) -> RoutingReplay:
+        """A trace (oled.trace.format.Trace) ready to replay on this model (the last one is
+        kept, with its device buffers); ValueError naming both shapes unless the model has the
+        trace's routing geometry."""
+        if isinstance(trace, RoutingReplay):
+            source = trace
+        elif self._replay is not None and self._replay.trace is trace:
+            source = self._replay
+        else:
+            source = RoutingReplay(trace, block_length=self.decode.block_length)
+        source.check(self.config)
+        source.bind(self.model)
+        self._replay = source
+        return source
+
+    def replay_stream(
+        self,
+        trace,
+        prompt_index: int = 0,
+        *,
+        observers: Sequence[DecodeObserver] = (),
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> Iterator[BlockInfo]:
+        """Replay prompt `prompt_index` of a routing trace (oled.decoding.replay): a seeded
+        prompt of the traced length, every MoE layer's routing replaced by the trace's (the
+        routers still run), the traced commits and confidences, the traced blocks and forwards;
+        yields each finished block like `stream`."""
+        source = self.routing_replay(trace)
+        ids, decode, follow = source.prepare(
+            prompt_index, model=self.model, base=self.decode, exclude=special_ids(self.tokenizer)
+        )
+        self.model.set_routing_override(source.override)
+        try:
+            yield from self.stream(
+                ids, decode=decode, observers=[source, *observers], cancelled=cancelled,
+                follow=follow,
+            )  # fmt: skip
+        finally:
+            self.model.set_routing_override(None)
+
+    def replay(
+        self, trace, prompt_index: int = 0, *, observers: Sequence[DecodeObserver] = ()
+    ) -> dict:
+        """Replay one traced generation (`replay_stream`); its statistics (`stats`)."""
+        for _ in self.replay_stream(trace, prompt_index, observers=observers):
+            pass
+        return self.stats()
 
     def offload_summary(self) -> dict | None:
         """The offload engine's figures for the last generation; None when all are resident."""

@@ -131,3 +131,23 @@ def recipe_file(tmp_path, components):
     path = tmp_path / "recipe.toml"
     path.write_text(RECIPE)
     return path
+
+
+@pytest.fixture(scope="session")
+def trace_file(tmp_path_factory) -> Path:
+    """A routing trace recorded on the trained default model (`builtin:tiny`: 3 MoE layers x
+    32 experts, top-4, like the tiny preset at other sizes) in blocks of 8: two chat prompts
+    and a 16-token prompt that ends on a block boundary; at threshold 0.5 some forwards commit
+    several tokens and some blocks finish in one forward."""
+    from oled.decoding import DecodeConfig
+    from oled.decoding.replay import random_ids, special_ids
+    from oled.runtime import load_runtime
+    from oled.trace.commands import record
+
+    rt = load_runtime("builtin:tiny", device="cpu", dtype="float32")
+    prompts = [rt.prompt_ids(p, chat=True) for p in ("What is the capital of France?", "Hi")]
+    prompts.append(random_ids(16, rt.config.vocab_size, special_ids(rt.tokenizer), seed=3))
+    decode = DecodeConfig(block_length=8, max_new_tokens=12, threshold=0.5)
+    path = tmp_path_factory.mktemp("trace") / "default.oledtrace"
+    record(rt, prompts, decode=decode).save(path)
+    return path

@@ -245,3 +245,59 @@ def test_shipped_anchor_recipes_match_the_anchor_table():
         recipe = load_recipe(ROOT / "recipes" / f"{name}.toml")
         policy = recipe.policy
         assert (policy.allocation.kind, policy.retention.kind, policy.compensation.kind) == kinds
+
+
+def test_workload_routing(recipe_file: Path, trace_file: Path) -> None:
+    """`workload.routing`: "model" (the default, hashed as before the key) or "trace:PATH",
+    a trace file next to the recipe (or from the working directory), checked at load."""
+    base = load_recipe(recipe_file)
+    assert base.workload.routing == "model" and base.routing_trace() is None
+    assert load_recipe(recipe_file, ["workload.routing=model"]).hash() == base.hash()
+    (recipe_file.parent / "traces").mkdir()
+    (recipe_file.parent / "traces" / "t.oledtrace").write_bytes(trace_file.read_bytes())
+    text = recipe_file.read_text().replace(
+        "repeats = 1", 'repeats = 1\nrouting = "trace:traces/t.oledtrace"\ntrace_prompts = "1:"'
+    )
+    path = recipe_file.parent / "traced.toml"
+    path.write_text(text)
+    recipe = load_recipe(path)
+    assert recipe.routing_trace() == recipe_file.parent / "traces" / "t.oledtrace"
+    assert recipe.hash() != base.hash()
+    assert recipe.with_values({"workload.trace_prompts": "0"}).workload.trace_prompts == "0"
+    assert load_recipe(path, [f"workload.routing=trace:{trace_file}"]).routing_trace() == trace_file
+
+    bad = recipe_file.parent / "bad.toml"
+    bad.write_text(text.replace("trace:traces", "trace:nowhere"))
+    assert _error(bad) == (
+        f"{_at(bad, 'routing =')}: workload.routing: no such file: nowhere/t.oledtrace"
+    )
+    (recipe_file.parent / "plain.txt").write_text("not a trace")
+    message = _error(path, ["workload.routing=trace:plain.txt"])
+    assert message.startswith("--set workload.routing: ")
+    assert "plain.txt is not an OLED-MoE trace file" in message
+    assert _error(path, ["workload.routing=replay"]) == (
+        "--set workload.routing: expected 'model' or 'trace:PATH' (got 'replay')"
+    )
+    assert _error(path, ["workload.trace_prompts=7"]) == (
+        "--set workload.trace_prompts: prompt selection '7': the trace holds 3 prompts"
+    )
+    assert _error(recipe_file, ["workload.trace_prompts=0"]) == (
+        "--set workload.trace_prompts: needs workload.routing = 'trace:PATH'"
+    )
+
+
+def test_validate_reports_a_bad_trace_in_one_line(recipe_file: Path) -> None:
+    from typer.testing import CliRunner
+
+    from oled.cli import app
+
+    (recipe_file.parent / "plain.txt").write_text("not a trace")
+    text = recipe_file.read_text().replace(
+        "repeats = 1", 'repeats = 1\nrouting = "trace:plain.txt"'
+    )
+    path = _write(recipe_file.parent, text)
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "workload.routing: " in lines[0]
+    assert "plain.txt is not an OLED-MoE trace file" in lines[0]

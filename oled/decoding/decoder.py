@@ -229,6 +229,9 @@ class BlockDecoder:
                     commit = _commit(conf, masked, cfg.threshold)  # [L] bool
                 else:
                     commit, forced = follow.at(self.stats.iterations, bl, tokens.device)
+                    recorded = follow.confidence_at(self.stats.iterations, tokens.device)
+                    if recorded is not None:  # a replay: the observers see the trace's
+                        conf = recorded
                     agreed += ((tokens == forced) & commit).sum()
                     followed += commit.sum()
                     tokens = forced
@@ -250,7 +253,7 @@ class BlockDecoder:
             )  # fmt: skip
             masked = still
             it += 1
-        if follow is not None:
+        if follow is not None and follow.agreement:
             self.stats.followed += int(followed)
             self.stats.agreed += int(agreed)
         return it

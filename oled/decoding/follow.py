@@ -16,6 +16,8 @@ class Trajectory(DecodeObserver):
     """Per iteration of the observed generation: committed positions [L] bool and the block's
     tokens after the commits [L] int64 (the last generation observed)."""
 
+    agreement = True  # its tokens are a generation's own: count how often a follower agrees
+
     def __init__(self) -> None:
         self.steps: list[tuple[Tensor, Tensor]] = []
         self.prompt: tuple[int, ...] = ()  # the prompt it was recorded for, if the recorder says
@@ -41,3 +43,8 @@ class Trajectory(DecodeObserver):
                 f"{block_length}"
             )
         return commit.to(device), tokens.to(device)
+
+    def confidence_at(self, step: int, device: torch.device) -> Tensor | None:
+        """The confidences [L] that iteration `step` reports instead of its own (a routing
+        replay's: oled.decoding.replay), or None: its own."""
+        return None

@@ -78,6 +78,41 @@ def run_workload(
     return timed
 
 
+def replay_workload(
+    runtime: Any, recipe: Recipe, trace: Any, indices: Sequence[int],
+    console: Console | None = None,
+) -> list[Stats]:  # fmt: skip
+    """With `workload.routing = "trace:PATH"`: warm-up replays (untimed) and `repeats` timed
+    passes over the selected traced prompts (Runtime.replay); the timed ones' stats."""
+    wl = recipe.workload
+    timed: list[Stats] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("warm-up", total=wl.warmup + wl.repeats * len(indices))
+        for i in range(wl.warmup):
+            runtime.replay(trace, indices[i % len(indices)])
+            bar.advance(task)
+        bar.update(task, description="replay")
+        for _ in range(wl.repeats):
+            for index in indices:
+                timed.append(dict(runtime.replay(trace, index)) | {"trace_prompt": index})
+                bar.advance(task)
+    return timed
+
+
+def load_replay(recipe: Recipe) -> tuple[Any, list[int]] | None:
+    """The trace that `workload.routing` replays and the selected prompts' indices; None when
+    the model routes itself."""
+    path = recipe.routing_trace()
+    if path is None:
+        return None
+    from oled.decoding.replay import select_prompts
+    from oled.trace.format import Trace
+
+    trace = Trace.load(path)
+    return trace, select_prompts(recipe.workload.trace_prompts, int((trace.step == 0).sum()))
+
+
 def make_report(recipe: Recipe, generations: list[Stats], seconds: float) -> dict[str, Any]:
     """The JSON report: recipe, summary, per layer and per generation figures."""
     return {
@@ -148,7 +183,8 @@ def run_experiment(
     if factory is None:
         from oled.experiment.build import build as factory
     base = recipe.path.parent if recipe.path else None
-    prompts = load_prompts(recipe.workload.prompts, base)
+    replay = load_replay(recipe)  # the prompts come from the trace when it routes
+    prompts = load_prompts(recipe.workload.prompts, base) if replay is None else []
     with tracked_run(recipe) as tracker:
         tracker.log_params(recipe.flatten())
         start = time.perf_counter()
@@ -158,7 +194,10 @@ def run_experiment(
             "oled.planner": planner_kind(runtime),
             "oled.launch": launch_kind(runtime),
         })  # fmt: skip
-        generations = run_workload(runtime, recipe, prompts, console)
+        if replay is None:
+            generations = run_workload(runtime, recipe, prompts, console)
+        else:
+            generations = replay_workload(runtime, recipe, *replay, console)
         report = make_report(recipe, generations, time.perf_counter() - start)
         directory = report_dir(recipe)
         files = write_report(report, directory)

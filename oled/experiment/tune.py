@@ -45,16 +45,21 @@ def simulate_objective(recipe: Recipe) -> dict[str, float]:
 
 
 def run_objective(recipe: Recipe) -> dict[str, float]:
-    """Real generations through `oled.build`: the run's summary figures."""
+    """Real generations through `oled.build` (replays of `workload.routing`'s trace when it
+    names one): the run's summary figures."""
     from oled.experiment.build import build
     from oled.experiment.report import summarize
-    from oled.experiment.run import run_workload
+    from oled.experiment.run import load_replay, replay_workload, run_workload
     from oled.experiment.workload import load_prompts
 
     base = recipe.path.parent if recipe.path else None
-    prompts = load_prompts(recipe.workload.prompts, base)
+    replay = load_replay(recipe)
+    prompts = load_prompts(recipe.workload.prompts, base) if replay is None else []
     runtime = build(recipe)
-    summary = summarize(run_workload(runtime, recipe, prompts))
+    if replay is None:
+        summary = summarize(run_workload(runtime, recipe, prompts))
+    else:
+        summary = summarize(replay_workload(runtime, recipe, *replay))
     return {k: float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
 

@@ -136,9 +136,10 @@ class GraphedForward(EagerForward):
     """Cached forwards replayed as CUDA graphs over one persistent KV cache.
 
     The first forward of the runtime runs eagerly (it initialises libraries and kernels); after
-    that each new (tokens, start, block, logits offset) key is captured once. A prompt's prefill
-    (more than two blocks of tokens), forwards without a cache, and forwards while routing hooks
-    are attached (trace recording) run eagerly. A key whose capture fails runs eagerly once and
+    that each new (tokens, start, block, logits offset, routing override) key is captured once
+    (a routing replay's graphs read its override's buffers: oled.model.model.RoutingOverride).
+    A prompt's prefill (more than two blocks of tokens), forwards without a cache, and forwards
+    while routing hooks are attached (trace recording) run eagerly. A key whose capture fails runs eagerly once and
     is captured again next time (a Triton kernel's first launch loads its code, which a capture
     forbids; the eager run loads it); after a second failure everything runs eagerly.
     """
@@ -182,7 +183,8 @@ class GraphedForward(EagerForward):
             or not self.warm
         )
         if not eager:
-            key = (tuple(tokens.shape), start, block_length, logits_from)
+            key = (tuple(tokens.shape), start, block_length, logits_from,
+                   self.model.routing_key)  # fmt: skip
             try:
                 return self._graphed(key, tokens, start, block_length, logits_from)
             except RuntimeError as err:

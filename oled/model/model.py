@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Protocol
@@ -36,6 +37,52 @@ class MoERequest:
 ForwardSteps = Generator[MoERequest, Tensor, Tensor]  # yields requests, is sent [T, H] routed
 
 
+class RoutingOverride:
+    """Routing that replaces every MoE layer's own (routing replay: oled.decoding.replay).
+
+    Static device buffers hold the current forward's ids [L, T, K] int64 and weights [L, T, K]
+    fp32 as one contiguous block each, so one host-to-device copy fills them before the forward
+    (`load`). A MoE layer still runs its router (its cost stays in the timing), then takes
+    `view(layer, T)` instead of the router's output, in eager forwards and inside CUDA graphs
+    alike: the views of a given T always lie at the same addresses. `key` changes with every
+    override, so graphs captured with one are never replayed without it (oled.model.graphs).
+    """
+
+    _serial = itertools.count(1)
+
+    def __init__(self, *, layers: int, top_k: int, rows: int, device) -> None:
+        self.layers, self.top_k, self.capacity = layers, top_k, rows
+        size = layers * rows * top_k
+        self.ids = torch.zeros(size, dtype=torch.long, device=device)  # [L * R * K]
+        self.weights = torch.zeros(size, dtype=torch.float32, device=device)  # [L * R * K]
+        self.rows = 0  # rows T of the forward the buffers hold
+        self.key = next(self._serial)
+
+    def load(self, ids: Tensor, weights: Tensor) -> None:
+        """Fill the buffers from host ids [L, T, K] int64 and weights [L, T, K] fp32
+        (contiguous; pinned ones copy without blocking the host)."""
+        layers, t, k = ids.shape
+        if (layers, k) != (self.layers, self.top_k) or t > self.capacity:
+            raise ValueError(
+                f"routing of shape {tuple(ids.shape)} does not fit the override's "
+                f"[{self.layers}, <={self.capacity}, {self.top_k}]"
+            )
+        n = ids.numel()
+        self.ids[:n].copy_(ids.view(-1), non_blocking=True)
+        self.weights[:n].copy_(weights.view(-1), non_blocking=True)
+        self.rows = t
+
+    def view(self, layer: int, tokens: int) -> tuple[Tensor, Tensor]:
+        """The replaced routing of MoE layer `layer`: ids [T, K], weights [T, K]."""
+        if tokens != self.rows:
+            raise ValueError(
+                f"the forward routes {tokens} rows, the replayed routing holds {self.rows}"
+            )
+        n = self.layers * tokens * self.top_k
+        shape = (self.layers, tokens, self.top_k)
+        return self.ids[:n].view(shape)[layer], self.weights[:n].view(shape)[layer]
+
+
 class KVCache:
     """Preallocated per-layer key/value buffers; `length` tokens of prefix are valid."""
 
@@ -65,15 +112,19 @@ class MoE(nn.Module):
         self.moe_index = moe_index
         self.executor: ExpertExecutor | None = None
         self.hooks: list[RoutingHook] = []
+        self.override: RoutingOverride | None = None  # replaces the router's output
 
     def forward(self, x: Tensor) -> Tensor:
         request = self.route(x)
         return self.finish(x, request, self.execute(request))
 
     def route(self, x: Tensor) -> MoERequest:
-        """x [B, T, H] -> the routing of its T = B*T rows."""
+        """x [B, T, H] -> the routing of its T = B*T rows (the override's, when one is set:
+        the router still runs)."""
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
         ids, weights = self.gate(flat)  # [T, K], [T, K]
+        if self.override is not None:
+            ids, weights = self.override.view(self.moe_index, flat.shape[0])
         return MoERequest(self.moe_index, flat, ids, weights)
 
     def execute(self, request: MoERequest) -> Tensor:
@@ -143,6 +194,18 @@ class LLaDA2Model(nn.Module):
     def set_executor(self, executor: ExpertExecutor) -> None:
         for block in self.moe_blocks:
             block.executor = executor
+
+    def set_routing_override(self, override: RoutingOverride | None) -> None:
+        """Replace every MoE layer's routing by `override`'s (None: the routers' own again)."""
+        for block in self.moe_blocks:
+            block.override = override
+
+    @property
+    def routing_key(self) -> int | None:
+        """Which routing override the forwards use (None: the routers'); part of graph keys."""
+        blocks = self.moe_blocks
+        override = blocks[0].override if blocks else None
+        return override.key if override is not None else None
 
     def add_routing_hook(self, hook: RoutingHook) -> Callable[[], None]:
         """Call `hook(moe_layer, ids, weights)` after each MoE layer routes; returns a remover."""

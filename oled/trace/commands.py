@@ -64,6 +64,19 @@ def record(runtime, prompt_ids: list[list[int]], *, decode=None, follow=None):
     return recorder.build()
 
 
+def record_replay(runtime, trace, prompts=None):
+    """Replay `trace`'s prompts (indices; all by default) on `runtime` (Runtime.replay),
+    recording what the runtime routed, committed and reported: the Trace (the replayed one,
+    row for row, with weights at the recorder's precision)."""
+    recorder, observer, remove = recording(runtime)
+    try:
+        for index in range(len(runtime.routing_replay(trace))) if prompts is None else prompts:
+            runtime.replay(trace, index, observers=[observer])
+    finally:
+        remove()
+    return recorder.build()
+
+
 def record_trace(runtime, prompt_ids: list[list[int]], out: Path) -> Path:
     """`record` the prompts' routing into the trace file `out`."""
     record(runtime, prompt_ids).save(out)
@@ -84,18 +97,53 @@ def trace_record(
 
     @user_errors
     def go() -> None:
-        r = load_recipe(recipe, set_ or [])
-        prompts = load_prompts(r.workload.prompts, recipe.parent)
-        runtime = build(r.with_values({"runtime.budget": {"resident": True}}))
-        ids = [runtime.prompt_ids(p.as_messages(), chat=True) for p in prompts]
-        record_trace(runtime, ids, out)
+        from oled.experiment.run import load_replay
         from oled.trace.format import Trace
 
+        r = load_recipe(recipe, set_ or [])
+        replay = load_replay(r)  # a trace routing: record its replay on this model
+        prompts = load_prompts(r.workload.prompts, recipe.parent) if replay is None else []
+        runtime = build(r.with_values({"runtime.budget": {"resident": True}}))
+        if replay is None:
+            ids = [runtime.prompt_ids(p.as_messages(), chat=True) for p in prompts]
+            record_trace(runtime, ids, out)
+        else:
+            record_replay(runtime, *replay).save(out)
         t = Trace.load(out)
         console.print(
             f"wrote {out}: {t.num_steps} forwards x {t.meta.num_moe_layers} MoE layers, "
-            f"{len(prompts)} prompts, {out.stat().st_size / 2**20:.2f} MiB"
+            f"{t.meta.prompt_count} prompts, {out.stat().st_size / 2**20:.2f} MiB"
         )
+
+    go()
+
+
+@trace_app.command("stats")
+def trace_stats_cmd(
+    traces: Annotated[list[Path], typer.Argument(help="Trace files from `oled trace record`.")],
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write every figure, per layer too, as JSON.")
+    ] = None,
+    block_length: Annotated[
+        int, typer.Option(help="Block length the traces were decoded with.")
+    ] = 32,
+) -> None:
+    """Routing statistics: distinct experts per forward, overlap between forwards, route
+    stability and expert reuse by token state, load skew (one column per trace)."""
+    from oled.options import user_errors
+    from oled.trace.format import Trace
+    from oled.trace.stats import column_names, stats_table, trace_stats, write_json
+
+    @user_errors
+    def go() -> None:
+        names = column_names(traces)
+        results = [
+            trace_stats(Trace.load(p), block_length=block_length, name=str(p)) for p in traces
+        ]
+        console.print(stats_table(results, names))
+        if json_out is not None:
+            write_json(results, json_out)
+            console.print(f"wrote {json_out}")
 
     go()
 

@@ -3,7 +3,7 @@
 Stored as safetensors (`safetensors.numpy`). Rows of all steps are concatenated; step s owns rows
 `row_offsets[s]:row_offsets[s + 1]` (its T routed tokens, pending prefix rows first).
 
-tensors: ids [L, R, K] int16, weights [L, R, K] float16|float32, token_state [R] int8,
+tensors: ids [L, R, K] int16 (stored as uint8 when every id fits, as for 256 experts), weights [L, R, K] float16|float32, token_state [R] int8,
 confidence [R] float32, row_offsets [S + 1] int64, block / iteration / step [S] int32.
 metadata: format "oled-trace", version, num_moe_layers, num_experts, top_k, expert_bytes,
 hidden_size, model_path, prompt_count.
@@ -11,8 +11,8 @@ hidden_size, model_path, prompt_count.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +75,38 @@ class Trace:
     def __len__(self) -> int:
         return self.num_steps
 
+    @property
+    def prompt_starts(self) -> np.ndarray:
+        """Step index [P] where each recorded generation starts (its `step` is 0)."""
+        return np.flatnonzero(self.step == 0)
+
+    def select(self, prompts: Sequence[int]) -> Trace:
+        """The trace of some of its generations, in the order given (indices into prompts)."""
+        bounds = np.append(self.prompt_starts, self.num_steps)
+        n = len(bounds) - 1
+        bad = [p for p in prompts if not 0 <= p < n]
+        if bad:
+            raise ValueError(f"prompt indices {bad} out of range: the trace has {n} prompts")
+        steps = np.concatenate(
+            [np.arange(bounds[p], bounds[p + 1]) for p in prompts] or [np.zeros(0, np.int64)]
+        )
+        rows = np.concatenate(
+            [np.arange(self.row_offsets[s], self.row_offsets[s + 1]) for s in steps]
+            or [np.zeros(0, np.int64)]
+        )
+        lens = np.diff(self.row_offsets)[steps]
+        return Trace(
+            meta=replace(self.meta, prompt_count=len(prompts)),
+            ids=self.ids[:, rows],
+            weights=self.weights[:, rows],
+            token_state=self.token_state[rows],
+            confidence=self.confidence[rows],
+            row_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+            block=self.block[steps],
+            iteration=self.iteration[steps],
+            step=self.step[steps],
+        )
+
     def context(self, s: int) -> StepContext:
         """The StepContext of step index s."""
         a, b = self.row_offsets[s], self.row_offsets[s + 1]
@@ -101,8 +133,9 @@ class Trace:
         """Write a safetensors trace file."""
         from safetensors.numpy import save_file
 
+        small = self.meta.num_experts <= 256 and (self.ids.size == 0 or self.ids.min() >= 0)
         tensors = {
-            "ids": np.ascontiguousarray(self.ids, np.int16),
+            "ids": np.ascontiguousarray(self.ids, np.uint8 if small else np.int16),
             "weights": np.ascontiguousarray(self.weights),
             "token_state": np.ascontiguousarray(self.token_state, np.int8),
             "confidence": np.ascontiguousarray(self.confidence, np.float32),
@@ -125,8 +158,26 @@ class Trace:
                 if meta.get("format") != FORMAT:
                     raise ValueError("no 'oled-trace' format tag in its metadata")
                 t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            t["ids"] = t["ids"].astype(np.int16, copy=False)  # uint8 on disk for <= 256 experts
             return cls(meta=TraceMeta.from_strings(meta), **t)
         except FileNotFoundError:
             raise
         except Exception as e:  # safetensors raises its own error type for non-safetensors files
             raise ValueError(f"{path} is not an OLED-MoE trace file: {e}") from e
+
+
+def prompt_count(path: str | Path) -> int:
+    """How many generations a trace file holds (where `step` restarts at 0), reading only its
+    header and step index; ValueError naming the file if it is not a trace."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(path)
+    try:
+        with safe_open(str(path), framework="np") as f:
+            if (f.metadata() or {}).get("format") != FORMAT:
+                raise ValueError("no 'oled-trace' format tag in its metadata")
+            step = f.get_tensor("step")
+    except Exception as e:  # safetensors raises its own error type for non-safetensors files
+        raise ValueError(f"{path} is not an OLED-MoE trace file: {e}") from e
+    return int((step == 0).sum())

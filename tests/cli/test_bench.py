@@ -242,3 +242,51 @@ def test_kernels_flag_errors_before_loading(tiny_dir, monkeypatch):
     result = runner.invoke(app, [*base, "--kernels", "torch", "--block-length", "4",
                                  "--prompt-length", "8", "--runs", "1", "--warmup-runs", "0"])  # fmt: skip
     assert result.exit_code == 0, result.output
+
+
+def test_bench_replays_a_routing_trace(tiny_dir, tmp_path, trace_file):
+    """`--routing trace:PATH`: each row replays the selected traced prompts (their lengths,
+    commits and routing) on its model; `--routing model` overrides a recipe's trace."""
+    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
+            "--cache-size", "8", "--routing", f"trace:{trace_file}", "--prompts", "0,2",
+            "--runs", "1", "--warmup-runs", "1", "--report-dir", str(tmp_path)]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "2 prompts of default.oledtrace" in result.output
+    (row,) = json.loads(next(tmp_path.glob("bench-*.json")).read_text())["rows"]
+    assert row["runs"] == 2 and row["iterations"] == 13 + 16 and row["tokens"] == 13 + 16
+    assert row["routing"] == {"trace": "default.oledtrace", "prompts": [0, 2]}
+    assert row["offload"]["hit_rate"] < 1
+
+    recipe = tmp_path / "traced.toml"
+    recipe.write_text(
+        f'[model]\npath = "{tiny_dir}"\n[runtime]\ndevice = "cpu"\ndtype = "float32"\n'
+        f'[workload]\nrouting = "trace:{trace_file}"\ntrace_prompts = "1"\n'
+    )
+    base = ["bench", str(recipe), "--runs", "1", "--warmup-runs", "0", "--gen-length", "8",
+            "--block-length", "8", "--prompt-length", "20"]  # fmt: skip
+    result = runner.invoke(app, [*base, "--report-dir", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(next((tmp_path / "a").glob("bench-*.json")).read_text())["rows"]
+    assert row["routing"]["prompts"] == [1] and row["iterations"] == 12
+    result = runner.invoke(app, [*base, "--routing", "model", "--report-dir", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(next((tmp_path / "b").glob("bench-*.json")).read_text())["rows"]
+    assert "routing" not in row and row["tokens"] == 8
+
+
+def test_bench_refuses_a_trace_of_another_geometry_before_loading(tiny_dir, tmp_path, trace_file,
+                                                                  monkeypatch):  # fmt: skip
+    from oled.trace.format import Trace
+
+    trace = Trace.load(trace_file)
+    wider = tmp_path / "wide.oledtrace"
+    replace(trace, meta=replace(trace.meta, num_experts=64)).save(wider)
+    monkeypatch.setattr("oled.launch.build", lambda spec: (_ for _ in ()).throw(AssertionError))
+    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--routing", f"trace:{wider}"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert "(3 MoE layers x 64 experts, top-4) does not match the model's (3 MoE layers x 32" \
+        in " ".join(result.output.split())  # fmt: skip
+    result = runner.invoke(app, ["bench", "--model", str(tiny_dir), "--prompts", "0"])
+    assert result.exit_code == 2 and "--routing trace:PATH" in result.output

@@ -81,3 +81,19 @@ def test_run_follows_the_resident_tokens(tmp_path: Path, mlflow_uri: str) -> Non
     (run,) = client.search_runs([client.get_experiment_by_name("follow").experiment_id])
     assert run.data.tags["oled.planner"] == "compiled"  # the run says how it planned
     assert run.data.tags["oled.launch"] == "python"  # and launched (on the CPU: no driver)
+
+
+def test_run_replays_a_routing_trace(tmp_path: Path, mlflow_uri: str, trace_file: Path) -> None:
+    """`workload.routing = "trace:PATH"`: the prompts, lengths, commits and routing are the
+    trace's (its prompts selected by `workload.trace_prompts`), not workload.prompts'."""
+    (tmp_path / "t.oledtrace").write_bytes(trace_file.read_bytes())
+    report = run_tiny(
+        tmp_path, mlflow_uri, "replay", 'budget = { expert_fraction = 0.25 }\ncost = "cpu-ci"',
+        '[workload]\nwarmup = 1\nrepeats = 2\nrouting = "trace:t.oledtrace"\n'
+        'trace_prompts = "1:"',
+    )  # fmt: skip
+    gens = report["generations"]
+    assert [g["trace_prompt"] for g in gens] == [1, 2, 1, 2]
+    assert [g["iterations"] for g in gens] == [12, 16, 12, 16]
+    assert [g["prompt_tokens"] for g in gens] == [13, 16, 13, 16]
+    assert all(g["misses"] > 0 for g in gens)

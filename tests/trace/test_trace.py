@@ -190,3 +190,33 @@ def test_planner_bench_replays_a_trace(tmp_path, small: Trace) -> None:
         for planner in ("python", "compiled"):
             found = re.search(rf"^  {anchor}\s+{planner}\s+([\d.]+) us per decode plan$", out, re.M)
             assert found and float(found.group(1)) > 0, out
+
+
+def test_select_keeps_whole_generations_and_ids_round_trip_as_uint8(tmp_path):
+    from oled.trace.synthetic import synthetic_trace
+
+    a = synthetic_trace(num_layers=3, num_experts=256, top_k=4, blocks=2, seed=1)
+    b = synthetic_trace(num_layers=3, num_experts=256, top_k=4, blocks=1, seed=2)
+    both = Trace(
+        meta=a.meta, ids=np.concatenate([a.ids, b.ids], 1),
+        weights=np.concatenate([a.weights, b.weights], 1),
+        token_state=np.concatenate([a.token_state, b.token_state]),
+        confidence=np.concatenate([a.confidence, b.confidence]),
+        row_offsets=np.concatenate([a.row_offsets, a.row_offsets[-1] + b.row_offsets[1:]]),
+        block=np.concatenate([a.block, b.block]), iteration=np.concatenate([a.iteration, b.iteration]),
+        step=np.concatenate([a.step, b.step]),
+    )  # fmt: skip
+    assert list(both.prompt_starts) == [0, a.num_steps]
+    back = both.select([1])
+    assert np.array_equal(back.ids, b.ids) and np.array_equal(back.row_offsets, b.row_offsets)
+    assert np.array_equal(back.step, b.step) and back.meta.prompt_count == 1
+    with pytest.raises(ValueError, match="out of range"):
+        both.select([2])
+    path = tmp_path / "t.oledtrace"
+    both.save(path)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:
+        assert f.get_tensor("ids").dtype == np.uint8  # 256 experts fit in a byte on disk
+    loaded = Trace.load(path)
+    assert loaded.ids.dtype == np.int16 and np.array_equal(loaded.ids, both.ids)

@@ -1,0 +1,379 @@
+"""Routing statistics of a trace (`oled trace stats`): how many experts a forward needs, how
+much of the previous forward's set the next one reuses, and how stably tokens route by state.
+
+Layout. A forward ("step") runs its pending prefix rows first, then the block's rows: the last
+`block_length` rows. A prompt's first forward (`step == 0`) runs the prompt; it is the *prompt
+forward*, and every figure below is over the other forwards, the *decode steps*, unless it says
+otherwise. Prompts are delimited by `step` restarting at 0. A layer's *set* at a step is the
+experts its routed rows name: over the block's rows ("block") or over every row the forward ran
+("all rows": what the layer loads; it differs from the block's only at a block's first forward,
+by the pending prefix rows).
+
+Figures (per MoE layer, then the mean over layers; `None` in the JSON where nothing counts):
+- distinct experts: size of the layer's set per decode step, mean and p90 over steps; block
+  rows and all rows; block rows at iteration 0 of a block and at later iterations; and the
+  prompt forwards' (mean over prompts) apart.
+- tokens per forward: block rows whose state is COMMITTED, mean over decode steps; also total
+  commits over every forward (prompt forwards included) divided by the forwards.
+- overlap at distance d = 1..5: decode steps s and s + d of one prompt, all-rows sets A and B:
+  Jaccard |A & B| / |A | B| and reuse |A & B| / |B|, mean over pairs, within one block
+  (same block) and across a block boundary (different blocks).
+- route stability: block position at decode step s whose next forward s + 1 is in the same
+  block: the fraction of its K routed ids at s that its row at s + 1 also names; grouped by its
+  state at s (masked, by confidence bin <0.3, 0.3-0.6, 0.6-0.9, >=0.9; committed; fixed).
+- reuse by state: the same (row, s) as route stability, each of its K (row, expert) pairs: is
+  the expert in the layer's all-rows set at s + 1; the fraction of pairs, and the same weighted
+  by the gate weight; per group. Gate weight per group: mean weight of a (row, expert) pair and
+  mean top-1 weight of a row, over the block rows of every decode step.
+- skew: per layer over every row of the trace, load = routed (row, expert) pairs per expert;
+  share of the load taken by the top 10% of experts (ceil(0.1 E)), coefficient of variation
+  (std / mean, population std) of the load, experts with no load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
+from oled.trace.format import Trace
+
+CONF_EDGES = (0.3, 0.6, 0.9)
+GROUPS = ("masked <0.3", "masked 0.3-0.6", "masked 0.6-0.9", "masked >=0.9", "committed", "fixed")
+MAX_DISTANCE = 5
+TOP_SHARE = 0.1
+DEFAULT_BLOCK_LENGTH = 32
+
+
+def _fig(per_layer: np.ndarray) -> dict[str, Any]:
+    """{'layer_mean', 'per_layer'} of a per-layer figure (NaN -> None)."""
+    per_layer = np.asarray(per_layer, np.float64)
+    ok = ~np.isnan(per_layer)
+    mean = float(per_layer[ok].mean()) if ok.any() else None
+    return {"layer_mean": mean, "per_layer": [_num(v) for v in per_layer]}
+
+
+def _num(v: float) -> float | None:
+    v = float(v)
+    return None if math.isnan(v) else v
+
+
+def _col_mean(x: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Mean of x [L, S] over the selected columns: [L], NaN if none is."""
+    if not cols.any():
+        return np.full(x.shape[0], np.nan)
+    return x[:, cols].mean(axis=1)
+
+
+def _group_sum(values: np.ndarray, group: np.ndarray, groups: int) -> np.ndarray:
+    """Sum of values [L, N] per group [N] (0..groups-1): [L, groups]."""
+    layers = values.shape[0]
+    idx = np.arange(layers)[:, None] * groups + group[None, :]
+    out = np.bincount(idx.ravel(), weights=values.ravel(), minlength=layers * groups)
+    return out.reshape(layers, groups)
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
+
+
+def _presence(ids: np.ndarray, step_of_row: np.ndarray, rows: np.ndarray, steps: int, experts: int):
+    """[L, S, E] bool: expert e named by a selected row of step s in layer l."""
+    layers = ids.shape[0]
+    p = np.zeros(layers * steps * experts, bool)
+    sel = np.flatnonzero(rows)
+    flat = (np.arange(layers)[:, None, None] * steps + step_of_row[sel][None, :, None]) * experts
+    p[(flat + ids[:, sel]).ravel()] = True
+    return p.reshape(layers, steps, experts)
+
+
+def _check(trace: Trace, block_length: int, name: str) -> np.ndarray:
+    """Rows per forward [S]; ValueError if the trace's arrays or the block length do not fit."""
+    m = trace.meta
+    rows_total = trace.token_state.shape[0]
+    if trace.ids.shape != (m.num_moe_layers, rows_total, m.top_k) or trace.ids.shape != (
+        trace.weights.shape
+    ):
+        raise ValueError(f"{name}: routing arrays {trace.ids.shape} do not match its metadata")
+    off = np.asarray(trace.row_offsets, np.int64)
+    if len(off) != trace.num_steps + 1 or off[0] != 0 or off[-1] != rows_total:
+        raise ValueError(f"{name}: row offsets do not cover its {rows_total} rows")
+    if block_length < 1:
+        raise ValueError(f"block length must be at least 1, not {block_length}")
+    rows = np.diff(off)
+    short = np.flatnonzero(rows < block_length)
+    if short.size:
+        s = int(short[0])
+        raise ValueError(
+            f"{name}: forward {s} ran {rows[s]} rows, fewer than the block length "
+            f"{block_length} (set --block-length)"
+        )
+    if rows_total and (trace.ids.min() < 0 or trace.ids.max() >= m.num_experts):
+        raise ValueError(f"{name}: expert ids outside 0..{m.num_experts - 1}")
+    return rows
+
+
+def trace_stats(
+    trace: Trace, *, block_length: int = DEFAULT_BLOCK_LENGTH, name: str = "trace"
+) -> dict[str, Any]:
+    """Routing statistics of one trace (see the module docstring): a JSON-ready dict."""
+    rows = _check(trace, block_length, name)
+    m = trace.meta
+    L, E, K, S = m.num_moe_layers, m.num_experts, m.top_k, trace.num_steps
+    R = trace.token_state.shape[0]
+    G = len(GROUPS)
+    ids = trace.ids.astype(np.int64)  # [L, R, K]
+    weights = trace.weights.astype(np.float64)
+    state = trace.token_state
+    conf = trace.confidence.astype(np.float64)
+    block = np.asarray(trace.block)
+    iteration = np.asarray(trace.iteration)
+
+    # layout
+    step_of_row = np.repeat(np.arange(S), rows)
+    ends = np.asarray(trace.row_offsets[1:], np.int64)
+    block_row = np.arange(R) >= (ends - block_length)[step_of_row]
+    prompt_fwd = np.asarray(trace.step) == 0
+    decode = ~prompt_fwd
+    new_prompt = prompt_fwd.copy()
+    if S:
+        new_prompt[0] = True
+    prompt = np.cumsum(new_prompt) - 1
+    stray = ~block_row & (state != TOKEN_FIXED)
+    if stray.any():
+        raise ValueError(
+            f"{name}: {int(stray.sum())} rows before the last {block_length} of their forward "
+            f"are not fixed: is the block length {block_length}? (set --block-length)"
+        )
+    group = np.full(R, -1, np.int64)
+    masked = block_row & (state == TOKEN_MASKED)
+    group[masked] = np.digitize(conf[masked], CONF_EDGES)
+    group[block_row & (state == TOKEN_COMMITTED)] = 4
+    group[block_row & (state == TOKEN_FIXED)] = 5
+
+    p_block = _presence(ids, step_of_row, block_row, S, E)
+    p_all = _presence(ids, step_of_row, np.ones(R, bool), S, E)
+    d_block = p_block.sum(-1)  # [L, S]
+    d_all = p_all.sum(-1)
+
+    # 1. distinct experts
+    def p90(d: np.ndarray) -> np.ndarray:
+        if not decode.any():
+            return np.full(L, np.nan)
+        return np.percentile(d[:, decode], 90, axis=1)
+
+    distinct = {
+        "block": {"mean": _fig(_col_mean(d_block, decode)), "p90": _fig(p90(d_block))},
+        "all_rows": {"mean": _fig(_col_mean(d_all, decode)), "p90": _fig(p90(d_all))},
+        "block_first_iteration": _fig(_col_mean(d_block, decode & (iteration == 0))),
+        "block_later_iterations": _fig(_col_mean(d_block, decode & (iteration > 0))),
+        "prompt_forward_block": _fig(_col_mean(d_block, prompt_fwd)),
+        "prompt_forward_all_rows": _fig(_col_mean(d_all, prompt_fwd)),
+    }
+
+    # 2. tokens per forward
+    commits = np.bincount(step_of_row[block_row & (state == TOKEN_COMMITTED)], minlength=S)
+    tokens = {
+        "decode": _num(commits[decode].mean()) if decode.any() else None,
+        "all_forwards": _num(commits.sum() / S) if S else None,
+    }
+
+    # 3. overlap of all-rows sets at distance d
+    overlap: dict[str, dict[str, Any]] = {"jaccard": {}, "reuse": {}, "pairs": {}}
+    for where in ("within_block", "across_block"):
+        for key in overlap:
+            overlap[key][where] = {}
+    for d in range(1, MAX_DISTANCE + 1):
+        if S > d:
+            ok = decode[:-d] & decode[d:] & (prompt[:-d] == prompt[d:])
+            same = block[:-d] == block[d:]
+        else:
+            ok = same = np.zeros(0, bool)
+        for where, sel in (("within_block", ok & same), ("across_block", ok & ~same)):
+            i = np.flatnonzero(sel)
+            inter = (p_all[:, i] & p_all[:, i + d]).sum(-1)  # [L, P]
+            na, nb = d_all[:, i], d_all[:, i + d]
+            every = np.ones(len(i), bool)
+            overlap["jaccard"][where][str(d)] = _fig(_col_mean(inter / (na + nb - inter), every))
+            overlap["reuse"][where][str(d)] = _fig(_col_mean(inter / nb, every))
+            overlap["pairs"][where][str(d)] = len(i)
+
+    # 4. route stability and 6. reuse by state: block rows whose next forward is the same block's
+    nxt = np.zeros(S, bool)
+    if S > 1:
+        nxt[:-1] = decode[:-1] & (prompt[:-1] == prompt[1:]) & (block[:-1] == block[1:])
+    r = np.flatnonzero(block_row & nxt[step_of_row] & (group >= 0))
+    s = step_of_row[r]
+    r2 = r + rows[np.minimum(s + 1, S - 1)]  # the same block position at s + 1
+    g = group[r]
+    kept = np.empty((L, len(r)))
+    for layer in range(L):  # [N, K, K] comparisons, one layer at a time
+        a, b = ids[layer, r], ids[layer, r2]
+        kept[layer] = (a[:, :, None] == b[:, None, :]).any(-1).mean(-1)
+    count = np.bincount(g, minlength=G)
+    kept_g = _ratio(_group_sum(kept, g, G), count[None, :])
+    lidx = np.arange(L)[:, None, None]
+    used = p_all.reshape(-1)[((lidx * S + (s + 1)[None, :, None]) * E + ids[:, r]).ravel()]
+    used = used.reshape(L, len(r), K)
+    w = weights[:, r]
+    reuse_g = _ratio(_group_sum(used.sum(-1), g, G), K * count[None, :])
+    wreuse_g = _ratio(_group_sum((w * used).sum(-1), g, G), _group_sum(w.sum(-1), g, G))
+    q = np.flatnonzero(block_row & decode[step_of_row] & (group >= 0))
+    gq = group[q]
+    count_q = np.bincount(gq, minlength=G)
+    wq = weights[:, q]
+    mean_w = _ratio(_group_sum(wq.sum(-1), gq, G), K * count_q[None, :])
+    top1_w = _ratio(_group_sum(wq.max(-1, initial=0.0), gq, G), count_q[None, :])
+    stability = {
+        n: {"kept": _fig(kept_g[:, j]), "rows": int(count[j])} for j, n in enumerate(GROUPS)
+    }
+    by_state = {
+        n: {"reuse": _fig(reuse_g[:, j]), "weighted_reuse": _fig(wreuse_g[:, j]),
+            "pairs": int(count[j]) * K}
+        for j, n in enumerate(GROUPS)
+    }  # fmt: skip
+    gate = {
+        n: {"mean": _fig(mean_w[:, j]), "top1": _fig(top1_w[:, j]), "rows": int(count_q[j])}
+        for j, n in enumerate(GROUPS)
+    }
+
+    # 5. skew
+    load = np.bincount((np.arange(L)[:, None, None] * E + ids).ravel(), minlength=L * E).reshape(
+        L, E
+    )
+    total = load.sum(1)
+    top = max(1, math.ceil(TOP_SHARE * E))
+    top_load = -np.sort(-load, axis=1)[:, :top].sum(1)
+    unused = (load == 0).sum(1)
+    skew = {
+        "top10_share": _fig(_ratio(top_load, total)),
+        "load_cv": _fig(_ratio(load.std(1), load.mean(1))),
+        "unused_experts": _fig(unused),
+        "unused_total": int(unused.sum()),
+    }
+
+    # 7. size
+    new_block = new_prompt.copy()
+    if S > 1:
+        new_block[1:] |= block[1:] != block[:-1]
+    size = {
+        "prompts": int(new_prompt.sum()),
+        "prompts_recorded": m.prompt_count,
+        "forwards": S,
+        "decode_forwards": int(decode.sum()),
+        "prompt_forwards": int(prompt_fwd.sum()),
+        "blocks": int(new_block.sum()),
+        "rows": R,
+        "decode_rows": int(rows[decode].sum()),
+        "moe_layers": L,
+        "experts": E,
+        "top_k": K,
+    }
+    return {
+        "trace": name,
+        "block_length": block_length,
+        "model_path": m.model_path,
+        "size": size,
+        "distinct_experts": distinct,
+        "tokens_per_forward": tokens,
+        "overlap": overlap,
+        "route_stability": stability,
+        "reuse_by_state": by_state,
+        "gate_weight": gate,
+        "skew": skew,
+    }
+
+
+def _f(v: float | None, fmt: str = "{:.3f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _rows() -> list[tuple[str, Any]]:
+    """(label, result -> cell) of the table."""
+
+    def lm(*path: str, fmt: str = "{:.3f}"):
+        def cell(res: dict) -> str:
+            x = res
+            for p in path:
+                x = x[p]
+            return _f(x["layer_mean"], fmt)
+
+        return cell
+
+    def pair(key: str, d: int):
+        def cell(res: dict) -> str:
+            o = res["overlap"][key]
+            return f"{_f(o['within_block'][str(d)]['layer_mean'])} / " + _f(
+                o["across_block"][str(d)]["layer_mean"]
+            )
+
+        return cell
+
+    one = "{:.1f}"
+    out: list[tuple[str, Any]] = [
+        ("prompts / forwards", lambda r: f"{r['size']['prompts']} / {r['size']['forwards']}"),
+        ("decode forwards / rows", lambda r: f"{r['size']['decode_forwards']} / {r['size']['rows']}"),
+        ("layers x experts, top-k", lambda r: f"{r['size']['moe_layers']} x {r['size']['experts']}, {r['size']['top_k']}"),
+        ("distinct experts/layer, block (mean)", lm("distinct_experts", "block", "mean", fmt=one)),
+        ("  p90", lm("distinct_experts", "block", "p90", fmt=one)),
+        ("  block iteration 0", lm("distinct_experts", "block_first_iteration", fmt=one)),
+        ("  later iterations", lm("distinct_experts", "block_later_iterations", fmt=one)),
+        ("distinct experts/layer, all rows (mean)", lm("distinct_experts", "all_rows", "mean", fmt=one)),
+        ("  p90", lm("distinct_experts", "all_rows", "p90", fmt=one)),
+        ("prompt forward distinct, block / all rows",
+         lambda r: lm("distinct_experts", "prompt_forward_block", fmt=one)(r) + " / "
+         + lm("distinct_experts", "prompt_forward_all_rows", fmt=one)(r)),
+        ("tokens/forward, decode / all forwards",
+         lambda r: _f(r["tokens_per_forward"]["decode"], "{:.2f}") + " / "
+         + _f(r["tokens_per_forward"]["all_forwards"], "{:.2f}")),
+    ]  # fmt: skip
+    out += [(f"Jaccard d={d}, within / across block", pair("jaccard", d)) for d in range(1, 6)]
+    out += [(f"reuse d={d}, within / across block", pair("reuse", d)) for d in range(1, 6)]
+    out += [(f"routes kept at s+1, {n}", lm("route_stability", n, "kept")) for n in GROUPS]
+    out += [
+        (f"experts used at s+1 (gate-wt), {n}",
+         lambda r, n=n: lm("reuse_by_state", n, "reuse")(r) + " ("
+         + lm("reuse_by_state", n, "weighted_reuse")(r) + ")")
+        for n in GROUPS
+    ]  # fmt: skip
+    out += [
+        (f"gate weight mean / top-1, {n}",
+         lambda r, n=n: lm("gate_weight", n, "mean")(r) + " / " + lm("gate_weight", n, "top1")(r))
+        for n in GROUPS
+    ]  # fmt: skip
+    out += [
+        ("load share of top 10% experts", lm("skew", "top10_share")),
+        ("expert load CV", lm("skew", "load_cv", fmt="{:.2f}")),
+        ("unused experts/layer (total)",
+         lambda r: lm("skew", "unused_experts", fmt=one)(r) + f" ({r['skew']['unused_total']})"),
+    ]  # fmt: skip
+    return out
+
+
+def stats_table(results: list[dict[str, Any]], names: list[str] | None = None):
+    """A rich Table: one column per result, rows = the figures (means over layers)."""
+    from rich.table import Table
+
+    table = Table(title="routing statistics (mean over MoE layers; decode forwards)")
+    table.add_column("figure", justify="left", no_wrap=True)
+    for i, res in enumerate(results):
+        table.add_column(names[i] if names else res["trace"], justify="right")
+    for label, cell in _rows():
+        table.add_row(label, *(cell(res) for res in results))
+    return table
+
+
+def column_names(paths: list[Path]) -> list[str]:
+    """File names, or whole paths where two files share a name."""
+    names = [p.name for p in paths]
+    return [str(p) if names.count(p.name) > 1 else p.name for p in paths]
+
+
+def write_json(results: list[dict[str, Any]], out: Path) -> None:
+    """Write {'traces': results} (every figure per layer too)."""
+    out.write_text(json.dumps({"traces": results}, indent=1, allow_nan=False) + "\n")
