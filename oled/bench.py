@@ -234,14 +234,17 @@ def bench_replay(rt: Runtime, cfg: BenchConfig, label: str, work: TraceWorkload)
     n = len(work.prompts)
     for i in range(cfg.warmup_runs):
         run_replay(rt, work.trace, work.prompts[i % n])
-    runs, offload, outputs = [], [], []
+    runs, offload, outputs, passes = [], [], [], []
     for _ in range(cfg.runs):
         for index in work.prompts:
             stats, off, tokens = run_replay(rt, work.trace, index)
             runs.append(stats)
             outputs.append(tokens)
             offload += [off] if off is not None else []
+        done = runs[-n:]  # this pass: every selected prompt once
+        passes.append(sum(s.new_tokens for s in done) / max(1e-9, sum(s.seconds for s in done)))
     row = summarise(label, runs, offload)
+    row["tokens_per_second_passes"] = passes  # end to end, one figure per pass: the spread
     first = (work.trace, work.prompts[0])
     if cfg.profile and rt.device.type == "cuda":
         row["stages_ms_per_iteration"] = stage_breakdown(rt, [], None, replay=first)
@@ -313,6 +316,7 @@ def summarise(label: str, runs: Sequence[Any], offload: Sequence[dict] = ()) -> 
         "ms_per_iteration_p90": p90,
         "ms_per_iteration_mean": statistics.fmean(ms),
         "prompt_ms": statistics.median(prompt) if prompt else None,
+        "ms_per_forward_mean": 1000 * seconds / iterations if iterations else 0.0,  # all forwards
         "tokens_per_second": tokens / seconds if seconds else 0.0,
         "tokens_per_forward": tokens / iterations if iterations else 0.0,
         "iterations": iterations,

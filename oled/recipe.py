@@ -395,7 +395,13 @@ def routing_trace(routing: str, base: Path | None = None) -> Path | None:
     looked up next to the recipe (`base`) first, then from the working directory."""
     if not routing.startswith(TRACE):
         return None
-    path = Path(routing.removeprefix(TRACE)).expanduser()
+    return beside(routing.removeprefix(TRACE), base)
+
+
+def beside(spec: str | Path, base: Path | None = None) -> Path:
+    """A file a recipe names: a relative path next to the recipe (`base`) when it is there,
+    else from the working directory."""
+    path = Path(spec).expanduser()
     if not path.is_absolute() and base is not None and (base / path).exists():
         return base / path
     return path

@@ -24,7 +24,9 @@ from rich.console import Console  # noqa: E402
 
 from oled.bench import (  # noqa: E402
     BenchConfig,
+    TraceWorkload,
     bench_decode,
+    bench_replay,
     bench_runtime,
     host_table,
     random_prompt,
@@ -44,6 +46,7 @@ from oled.offload.copies import use_batches  # noqa: E402
 from oled.policies import ANCHORS, anchor_policies  # noqa: E402
 from oled.policies import allocation as A  # noqa: E402
 from oled.policies import compensation as C  # noqa: E402
+from oled.policies import retention as R  # noqa: E402
 from oled.runtime import Runtime, make_engine, make_planner  # noqa: E402
 
 CONFIGS = {
@@ -51,7 +54,22 @@ CONFIGS = {
     # OLED with one mechanism replaced by the baseline's, to see what each contributes
     "oled/uniform-alloc": lambda: anchor_policies("oled") | {"allocation": A.UniformAllocation()},
     "oled/transfer-only": lambda: anchor_policies("oled") | {"compensation": C.TransferOnly()},
+    "oled/lru-retention": lambda: anchor_policies("oled") | {"retention": R.LRURetention()},
+    # `oled tune recipes/twin/tune.toml` on the twin's tuning split (recipes/twin/oled-tuned.toml)
+    "oled-tuned": lambda: tuned("recipes/twin/oled-tuned.toml"),
 }
+
+
+def tuned(recipe: str) -> dict:
+    """The policies of a recipe file (relative to the repository)."""
+    from oled.experiment.build import build_policy
+    from oled.recipe import load_recipe
+
+    r = load_recipe(Path(__file__).resolve().parents[1] / recipe)
+    return {
+        k: build_policy(k, getattr(r.policy, k))
+        for k in ("allocation", "retention", "compensation")
+    }
 
 
 def main() -> None:
@@ -118,6 +136,13 @@ def main() -> None:
     ap.add_argument("--cost", default="calibrate", help="cost model: calibrate or a profile")
     ap.add_argument("--trace", default=None, help="record the resident run's routing here")
     ap.add_argument(
+        "--routing",
+        default=None,
+        metavar="TRACE",
+        help="replay this trace's routing, confidences and commits (resident with graphs only)",
+    )
+    ap.add_argument("--prompts", default="all", help="the trace's prompts to replay: all, I, A:B")
+    ap.add_argument(
         "--cprofile",
         default=None,
         metavar="NAME@FRACTION",
@@ -139,14 +164,17 @@ def main() -> None:
         ap.error("--ahead-from recorded needs rows that follow one trajectory (no --no-follow)")
     oracle = None  # RecordedRouting of the followed generation, with --ahead-from recorded
     kernel_modes = {"auto": ["auto"], "torch": ["torch"], "both": ["auto", "torch"]}[args.kernels]
-    for kernels, graphs in [(k, g) for k in kernel_modes for g in (True, False)]:
+    work = replay_workload(args.routing, args.prompts) if args.routing else None
+    resident_modes = (True,) if work else (True, False)
+    for kernels, graphs in [(k, g) for k in kernel_modes for g in resident_modes]:
         rt = Runtime(checkpoint=ckpt, device=dev, executor=resident, decode=decode, graphs=graphs,
                      kernels=kernels)  # fmt: skip
         mode = ("graphs" if graphs else "eager") + suffix(kernels)
+        rcfg = replace(cfg, profile=graphs and cfg.profile)
         rows.append(
-            bench_runtime(
-                rt, replace(cfg, profile=graphs and cfg.profile), f"resident {mode}", trajectory
-            )
+            bench_replay(rt, rcfg, f"resident {mode}", work)
+            if work
+            else bench_runtime(rt, rcfg, f"resident {mode}", trajectory)
         )
         for n in [int(n) for n in args.resident_prompts.split(",") if n]:
             longer = replace(cfg, prompt_length=n, profile=False)
@@ -195,8 +223,11 @@ def main() -> None:
             label += "" if planner.compiled else " python-planner"
             label += "" if batched else " copies-each"
             label += " python-launch" if graphs and engine.cuda and engine.driver is None else ""
+            rcfg = replace(cfg, profile=graphs and cfg.profile)
             rows.append(
-                bench_runtime(rt, replace(cfg, profile=graphs and cfg.profile), label, trajectory)
+                bench_replay(rt, rcfg, label, work)
+                if work
+                else bench_runtime(rt, rcfg, label, trajectory)
             )
             if hasattr(p["compensation"], "slowdown"):  # learned from the measured CPU experts
                 rows[-1]["cpu_slowdown"] = p["compensation"].slowdown
@@ -213,6 +244,22 @@ def main() -> None:
         console.print(stage_table(rows))
         console.print(host_table(rows))
     print(f"report: {write_report(Path(args.report_dir), cfg, rows, str(dev), report)}")
+
+
+def replay_workload(path: str, prompts: str) -> TraceWorkload:
+    """The trace at `path` and the selected prompt indices (all, I, A:B)."""
+    from oled.trace.format import Trace
+
+    trace = Trace.load(path)
+    n = len(trace.prompt_starts)
+    if prompts == "all":
+        chosen = range(n)
+    elif ":" in prompts:
+        a, b = prompts.split(":")
+        chosen = range(int(a or 0), int(b or n))
+    else:
+        chosen = [int(p) for p in prompts.split(",")]
+    return TraceWorkload(trace=trace, prompts=tuple(chosen), name=Path(path).name)
 
 
 def recorded_routing(rt: Runtime, cfg: BenchConfig, trajectory: Trajectory):

@@ -39,7 +39,10 @@ def simulate_objective(recipe: Recipe) -> dict[str, float]:
     assert recipe.tune is not None
     if recipe.tune.trace is None:
         raise ValueError("objective 'simulate' needs [tune] trace = PATH (a recorded trace)")
-    result, bound = simulate_recipe(Trace.load(recipe.tune.trace), recipe)
+    from oled.recipe import beside
+
+    base = recipe.path.parent if recipe.path else None
+    result, bound = simulate_recipe(Trace.load(beside(recipe.tune.trace, base)), recipe)
     out = {k: float(v) for k, v in result.to_dict().items() if isinstance(v, (int, float))}
     return out | {"belady_bound": bound}
 
