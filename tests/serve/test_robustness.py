@@ -50,7 +50,8 @@ def test_health_is_503_while_loading(tiny_dir, start_server, loader, until):
         assert httpx.post(f"{url}{CHAT}", json=body).json()["error"]["code"] == "model_not_ready"
         gate.set()
         until(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "never became ready")
-        assert httpx.post(f"{url}{CHAT}", json=body).status_code == 200
+        ready = httpx.post(f"{url}{CHAT}", json=body | {"max_tokens": 4}, timeout=60)
+        assert ready.status_code == 200
 
 
 def test_client_disconnect_cancels_generation(http, until):
