@@ -272,7 +272,7 @@ def _trace_workload(spec, routing: str | None, prompts: str | None):
     trace = _TRACES[path]
     model = recipe.model.path if recipe is not None else spec.model
     check_geometry(trace, ModelConfig.from_json(resolve_model(model)))
-    chosen = select_prompts(prompts, int((trace.step == 0).sum()))
+    chosen = select_prompts(prompts, len(trace.prompt_starts))
     return TraceWorkload(trace=trace, prompts=tuple(chosen), name=path.name)
 
 

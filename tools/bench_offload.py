@@ -248,17 +248,11 @@ def main() -> None:
 
 def replay_workload(path: str, prompts: str) -> TraceWorkload:
     """The trace at `path` and the selected prompt indices (all, I, A:B)."""
+    from oled.decoding.replay import select_prompts
     from oled.trace.format import Trace
 
     trace = Trace.load(path)
-    n = len(trace.prompt_starts)
-    if prompts == "all":
-        chosen = range(n)
-    elif ":" in prompts:
-        a, b = prompts.split(":")
-        chosen = range(int(a or 0), int(b or n))
-    else:
-        chosen = [int(p) for p in prompts.split(",")]
+    chosen = select_prompts(prompts, len(trace.prompt_starts))
     return TraceWorkload(trace=trace, prompts=tuple(chosen), name=Path(path).name)
 
 

@@ -345,7 +345,8 @@ class RoutingReplay(DecodeObserver):
 
 def commit_token(vocab_size: int, exclude: Collection[int]) -> int:
     """The token id that replays commit: the lowest id that is no special token."""
-    return next(i for i in range(vocab_size) if i not in set(exclude))
+    skip = set(exclude)
+    return next(i for i in range(vocab_size) if i not in skip)
 
 
 def special_ids(tokenizer) -> Sequence[int]:

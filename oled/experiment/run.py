@@ -100,17 +100,36 @@ def replay_workload(
     return timed
 
 
-def load_replay(recipe: Recipe) -> tuple[Any, list[int]] | None:
-    """The trace that `workload.routing` replays and the selected prompts' indices; None when
-    the model routes itself."""
+@dataclass
+class Workload:
+    """What a recipe decodes: its prompts, or (`replay`) a trace and the traced prompts'
+    indices that `workload.routing` replays."""
+
+    prompts: list[Prompt]
+    replay: tuple[Any, list[int]] | None = None
+
+
+def load_workload(recipe: Recipe) -> Workload:
+    """The recipe's workload, loaded (and checked) before any model is."""
     path = recipe.routing_trace()
     if path is None:
-        return None
+        base = recipe.path.parent if recipe.path else None
+        return Workload(load_prompts(recipe.workload.prompts, base))
     from oled.decoding.replay import select_prompts
     from oled.trace.format import Trace
 
     trace = Trace.load(path)
-    return trace, select_prompts(recipe.workload.trace_prompts, int((trace.step == 0).sum()))
+    chosen = select_prompts(recipe.workload.trace_prompts, len(trace.prompt_starts))
+    return Workload([], (trace, chosen))
+
+
+def run_loaded(
+    runtime: Any, recipe: Recipe, work: Workload, console: Console | None = None
+) -> list[Stats]:
+    """`run_workload` over the prompts, or `replay_workload` over the traced ones."""
+    if work.replay is None:
+        return run_workload(runtime, recipe, work.prompts, console)
+    return replay_workload(runtime, recipe, *work.replay, console)
 
 
 def make_report(recipe: Recipe, generations: list[Stats], seconds: float) -> dict[str, Any]:
@@ -182,9 +201,7 @@ def run_experiment(
     console = console or Console(stderr=True)
     if factory is None:
         from oled.experiment.build import build as factory
-    base = recipe.path.parent if recipe.path else None
-    replay = load_replay(recipe)  # the prompts come from the trace when it routes
-    prompts = load_prompts(recipe.workload.prompts, base) if replay is None else []
+    work = load_workload(recipe)
     with tracked_run(recipe) as tracker:
         tracker.log_params(recipe.flatten())
         start = time.perf_counter()
@@ -194,10 +211,7 @@ def run_experiment(
             "oled.planner": planner_kind(runtime),
             "oled.launch": launch_kind(runtime),
         })  # fmt: skip
-        if replay is None:
-            generations = run_workload(runtime, recipe, prompts, console)
-        else:
-            generations = replay_workload(runtime, recipe, *replay, console)
+        generations = run_loaded(runtime, recipe, work, console)
         report = make_report(recipe, generations, time.perf_counter() - start)
         directory = report_dir(recipe)
         files = write_report(report, directory)

@@ -52,17 +52,10 @@ def run_objective(recipe: Recipe) -> dict[str, float]:
     names one): the run's summary figures."""
     from oled.experiment.build import build
     from oled.experiment.report import summarize
-    from oled.experiment.run import load_replay, replay_workload, run_workload
-    from oled.experiment.workload import load_prompts
+    from oled.experiment.run import load_workload, run_loaded
 
-    base = recipe.path.parent if recipe.path else None
-    replay = load_replay(recipe)
-    prompts = load_prompts(recipe.workload.prompts, base) if replay is None else []
-    runtime = build(recipe)
-    if replay is None:
-        summary = summarize(run_workload(runtime, recipe, prompts))
-    else:
-        summary = summarize(replay_workload(runtime, recipe, *replay))
+    work = load_workload(recipe)
+    summary = summarize(run_loaded(build(recipe), recipe, work))
     return {k: float(v) for k, v in summary.items() if isinstance(v, (int, float))}
 
 

@@ -139,8 +139,8 @@ class GraphedForward(EagerForward):
     that each new (tokens, start, block, logits offset, routing override) key is captured once
     (a routing replay's graphs read its override's buffers: oled.model.model.RoutingOverride).
     A prompt's prefill (more than two blocks of tokens), forwards without a cache, and forwards
-    while routing hooks are attached (trace recording) run eagerly. A key whose capture fails runs eagerly once and
-    is captured again next time (a Triton kernel's first launch loads its code, which a capture
+    while routing hooks are attached (trace recording) run eagerly. A key whose capture fails
+    runs eagerly once and is captured again next time (a Triton kernel's first launch loads its code, which a capture
     forbids; the eager run loads it); after a second failure everything runs eagerly.
     """
 

@@ -91,24 +91,22 @@ def trace_record(
 ) -> None:
     """Decode the recipe's workload and store its routing, confidences and decode states."""
     from oled.experiment.build import build
-    from oled.experiment.workload import load_prompts
     from oled.options import user_errors
     from oled.recipe import load_recipe
 
     @user_errors
     def go() -> None:
-        from oled.experiment.run import load_replay
+        from oled.experiment.run import load_workload
         from oled.trace.format import Trace
 
         r = load_recipe(recipe, set_ or [])
-        replay = load_replay(r)  # a trace routing: record its replay on this model
-        prompts = load_prompts(r.workload.prompts, recipe.parent) if replay is None else []
+        work = load_workload(r)  # a trace routing: record its replay on this model
         runtime = build(r.with_values({"runtime.budget": {"resident": True}}))
-        if replay is None:
-            ids = [runtime.prompt_ids(p.as_messages(), chat=True) for p in prompts]
+        if work.replay is None:
+            ids = [runtime.prompt_ids(p.as_messages(), chat=True) for p in work.prompts]
             record_trace(runtime, ids, out)
         else:
-            record_replay(runtime, *replay).save(out)
+            record_replay(runtime, *work.replay).save(out)
         t = Trace.load(out)
         console.print(
             f"wrote {out}: {t.num_steps} forwards x {t.meta.num_moe_layers} MoE layers, "

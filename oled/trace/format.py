@@ -3,16 +3,17 @@
 Stored as safetensors (`safetensors.numpy`). Rows of all steps are concatenated; step s owns rows
 `row_offsets[s]:row_offsets[s + 1]` (its T routed tokens, pending prefix rows first).
 
-tensors: ids [L, R, K] int16 (stored as uint8 when every id fits, as for 256 experts), weights [L, R, K] float16|float32, token_state [R] int8,
-confidence [R] float32, row_offsets [S + 1] int64, block / iteration / step [S] int32.
+tensors: ids [L, R, K] int16 (stored as uint8 when every id fits, as for 256 experts),
+weights [L, R, K] float16|float32, token_state [R] int8, confidence [R] float32,
+row_offsets [S + 1] int64, block / iteration / step [S] int32.
 metadata: format "oled-trace", version, num_moe_layers, num_experts, top_k, expert_bytes,
 hidden_size, model_path, prompt_count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -79,33 +80,6 @@ class Trace:
     def prompt_starts(self) -> np.ndarray:
         """Step index [P] where each recorded generation starts (its `step` is 0)."""
         return np.flatnonzero(self.step == 0)
-
-    def select(self, prompts: Sequence[int]) -> Trace:
-        """The trace of some of its generations, in the order given (indices into prompts)."""
-        bounds = np.append(self.prompt_starts, self.num_steps)
-        n = len(bounds) - 1
-        bad = [p for p in prompts if not 0 <= p < n]
-        if bad:
-            raise ValueError(f"prompt indices {bad} out of range: the trace has {n} prompts")
-        steps = np.concatenate(
-            [np.arange(bounds[p], bounds[p + 1]) for p in prompts] or [np.zeros(0, np.int64)]
-        )
-        rows = np.concatenate(
-            [np.arange(self.row_offsets[s], self.row_offsets[s + 1]) for s in steps]
-            or [np.zeros(0, np.int64)]
-        )
-        lens = np.diff(self.row_offsets)[steps]
-        return Trace(
-            meta=replace(self.meta, prompt_count=len(prompts)),
-            ids=self.ids[:, rows],
-            weights=self.weights[:, rows],
-            token_state=self.token_state[rows],
-            confidence=self.confidence[rows],
-            row_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
-            block=self.block[steps],
-            iteration=self.iteration[steps],
-            step=self.step[steps],
-        )
 
     def context(self, s: int) -> StepContext:
         """The StepContext of step index s."""
