@@ -17,8 +17,8 @@ from typing import Any, TextIO
 
 from oled.decoding import DecodeConfig, GenerationStats
 from oled.decoding.decoder import median_p90
-from oled.launch import offload_stats
-from oled.runtime import Runtime, cache_home
+from oled.paths import cache_home
+from oled.runtime import Runtime, offload_stats
 
 PROMPT = ">>> "
 SETTABLE = {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -18,60 +17,7 @@ app = typer.Typer(
 )
 model_app = typer.Typer(help="Create and inspect checkpoints.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
-from oled.options import DeviceOpt, DtypeOpt, ModelOpt, console, err_console, user_errors  # noqa: E402
-
-
-@app.command()
-@user_errors
-def generate(
-    prompt: Annotated[str, typer.Argument(help="The question or text to continue.")],
-    model: ModelOpt = "builtin:tiny",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "bfloat16",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 64,
-    block_length: Annotated[int, typer.Option(help="Positions per diffusion block.")] = 32,
-    threshold: Annotated[float, typer.Option(help="Commit confidence threshold.")] = 0.95,
-    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    raw: Annotated[bool, typer.Option("--raw", help="No chat format: continue the text.")] = False,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the prefix.")] = False,
-) -> None:
-    """Generate an answer, streaming each finished block, then print decoding statistics."""
-    from oled.decoding import DecodeConfig
-    from oled.runtime import load_runtime
-
-    decode = DecodeConfig(
-        block_length=block_length,
-        threshold=threshold,
-        max_new_tokens=max_tokens,
-        temperature=temperature,
-        seed=seed,
-        use_cache=not no_cache,
-    )
-    t0 = time.perf_counter()
-    rt = load_runtime(model, device=device, dtype=dtype, decode=decode, progress=True)
-    err_console.print(
-        f"[dim]loaded {rt.checkpoint.path} on {rt.device} in {time.perf_counter() - t0:.1f} s[/dim]"
-    )
-    ids = rt.prompt_ids(prompt, chat=not raw)
-    for block in rt.stream(ids):
-        sys.stdout.write(rt.tokenizer.decode(block.new_tokens))
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    print_stats(rt.last_stats)
-
-
-def print_stats(stats) -> None:
-    from oled.decoding.decoder import median_p90
-
-    median, _ = median_p90(stats.decode_ms)
-    err_console.print(
-        f"[dim]{stats.new_tokens} tokens, {stats.iterations} forwards, "
-        f"{stats.tokens_per_forward:.2f} tokens/forward, "
-        f"prompt forward {stats.prompt_ms or 0.0:.1f} ms, "
-        f"{median:.1f} ms/iteration after it (median), "
-        f"{stats.tokens_per_second:.1f} tokens/s, finish: {stats.stopped}[/dim]"
-    )
+from oled.options import console, user_errors  # noqa: E402
 
 
 @model_app.command("init")

@@ -1,4 +1,4 @@
-"""The interactive and operational commands: chat, serve, bench, env.
+"""The interactive and operational commands: generate, chat, serve, bench, env.
 
 Kept out of `oled/cli.py` (which only registers them); each imports its implementation lazily
 so that `oled --help` stays fast.
@@ -6,6 +6,7 @@ so that `oled --help` stays fast.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -19,41 +20,84 @@ from oled.options import (
     DtypeOpt,
     GraphsOpt,
     KernelsOpt,
+    MaxTokensOpt,
     ModelOpt,
     RecipeOpt,
+    SeedOpt,
+    TemperatureOpt,
     ThresholdOpt,
+    command_spec,
     err_console,
+    load,
     user_errors,
 )
 
 
-def spec_of(model: str, device: str, dtype: str, recipe: Path | None, cache_size: int | None,
-            graphs: bool = True, kernels: str | None = None, **decode):  # fmt: skip
-    from oled.decoding import DecodeConfig
-    from oled.launch import RuntimeSpec
+@user_errors
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The question or text to continue.")],
+    recipe: RecipeOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    cache_size: CacheOpt = None,
+    graphs: GraphsOpt = None,
+    kernels: KernelsOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    block_length: BlockOpt = None,
+    threshold: ThresholdOpt = None,
+    temperature: TemperatureOpt = None,
+    seed: SeedOpt = None,
+    raw: Annotated[bool, typer.Option("--raw", help="No chat format: continue the text.")] = False,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the prefix.")] = False,
+) -> None:
+    """Generate an answer, streaming each finished block, then print decoding statistics."""
+    spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
+                        graphs=graphs, kernels=kernels, block_length=block_length,
+                        threshold=threshold, max_tokens=max_tokens, temperature=temperature,
+                        seed=seed, use_cache=False if no_cache else None)  # fmt: skip
+    rt = load(spec, progress=True)
+    ids = rt.prompt_ids(prompt, chat=not raw)
+    for block in rt.stream(ids):
+        sys.stdout.write(rt.tokenizer.decode(block.new_tokens))
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print_stats(rt.last_stats)
 
-    return RuntimeSpec(model=model, device=device, dtype=dtype, recipe=recipe,
-                       cache_size=cache_size, graphs=graphs, kernels=kernels,
-                       decode=DecodeConfig(**decode))  # fmt: skip
+
+def print_stats(stats) -> None:
+    from oled.decoding.decoder import median_p90
+
+    median, _ = median_p90(stats.decode_ms)
+    err_console.print(
+        f"[dim]{stats.new_tokens} tokens, {stats.iterations} forwards, "
+        f"{stats.tokens_per_forward:.2f} tokens/forward, "
+        f"prompt forward {stats.prompt_ms or 0.0:.1f} ms, "
+        f"{median:.1f} ms/iteration after it (median), "
+        f"{stats.tokens_per_second:.1f} tokens/s, finish: {stats.stopped}[/dim]"
+    )
 
 
 @user_errors
 def serve(
     recipe: RecipeOpt = None,
-    model: ModelOpt = "builtin:tiny",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "bfloat16",
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
     cache_size: CacheOpt = None,
-    graphs: GraphsOpt = True,
+    graphs: GraphsOpt = None,
     kernels: KernelsOpt = None,
-    block_length: BlockOpt = 32,
-    threshold: ThresholdOpt = 0.95,
+    block_length: BlockOpt = None,
+    threshold: ThresholdOpt = None,
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", help="Upper bound a request may ask for.")
     ] = 4096,
     default_max_tokens: Annotated[
-        int, typer.Option(help="max_tokens when a request gives none.")
-    ] = 256,
+        int | None,
+        typer.Option(
+            help="max_tokens when a request gives none (default: the recipe's decoding.max_new_tokens)."
+        ),
+    ] = None,
     served_model_name: Annotated[
         str | None, typer.Option(help="Model id clients use (default: the model's name).")
     ] = None,
@@ -65,45 +109,42 @@ def serve(
     ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
-    from oled.serve.command import run_server
+    from oled.serve.command import run_server, served_name
 
-    spec = spec_of(model, device, dtype, recipe, cache_size, graphs, kernels, block_length=block_length,
-                   threshold=threshold, max_new_tokens=max_tokens)  # fmt: skip
-    run_server(spec, host=host, port=port, model_name=served_model_name,
-               default_max_tokens=default_max_tokens, max_tokens=max_tokens, api_key=api_key)  # fmt: skip
+    spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
+                        graphs=graphs, kernels=kernels, block_length=block_length,
+                        threshold=threshold, max_tokens=default_max_tokens,
+                        max_tokens_flag="--default-max-tokens")  # fmt: skip
+    run_server(spec, host=host, port=port, model_name=served_model_name or served_name(spec),
+               max_tokens=max_tokens, api_key=api_key)  # fmt: skip
 
 
 @user_errors
 def chat(
     recipe: RecipeOpt = None,
-    model: ModelOpt = "builtin:tiny",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "bfloat16",
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
     cache_size: CacheOpt = None,
-    graphs: GraphsOpt = True,
+    graphs: GraphsOpt = None,
     kernels: KernelsOpt = None,
-    block_length: BlockOpt = 32,
-    threshold: ThresholdOpt = 0.95,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per reply.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    block_length: BlockOpt = None,
+    threshold: ThresholdOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    temperature: TemperatureOpt = None,
+    seed: SeedOpt = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
 ) -> None:
     """Chat in the terminal: streams each finished block; /help lists the commands."""
-    import time
-
     from oled.chat import ChatSession, run_chat, setup_readline
-    from oled.launch import build
 
-    spec = spec_of(model, device, dtype, recipe, cache_size, graphs, kernels, block_length=block_length,
-                   threshold=threshold, max_new_tokens=max_tokens, temperature=temperature,
-                   seed=seed)  # fmt: skip
-    t0 = time.perf_counter()
-    rt = build(spec)
-    err_console.print(f"[dim]loaded {rt.checkpoint.path} on {rt.device} "
-                      f"in {time.perf_counter() - t0:.1f} s[/dim]")  # fmt: skip
+    spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
+                        graphs=graphs, kernels=kernels, block_length=block_length,
+                        threshold=threshold, max_tokens=max_tokens, temperature=temperature,
+                        seed=seed)  # fmt: skip
+    rt = load(spec)
     setup_readline()
-    run_chat(ChatSession(runtime=rt, decode=spec.decode, system=system))
+    run_chat(ChatSession(runtime=rt, decode=rt.decode, system=system))
 
 
 def env(
@@ -139,15 +180,15 @@ def bench(
         list[Path] | None, typer.Argument(help="Recipes to compare side by side.")
     ] = None,
     recipe: RecipeOpt = None,
-    model: ModelOpt = "builtin:tiny",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "bfloat16",
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
     cache_size: CacheOpt = None,
-    graphs: GraphsOpt = True,
+    graphs: GraphsOpt = None,
     kernels: KernelsOpt = None,
     gen_length: Annotated[int, typer.Option(help="Tokens generated per run.")] = 256,
-    block_length: BlockOpt = 32,
-    threshold: ThresholdOpt = 0.95,
+    block_length: BlockOpt = None,
+    threshold: ThresholdOpt = None,
     max_tokens: Annotated[
         int | None, typer.Option("--max-tokens", help="Same as --gen-length.")
     ] = None,
@@ -184,32 +225,49 @@ def bench(
         ),
     ] = None,
 ) -> None:
-    """Benchmark ms per iteration, tokens/s and offload figures; compare recipes side by side."""
-    import gc
+    """Benchmark ms per iteration, tokens/s and offload figures; compare recipes side by side.
 
+    Each row is a recipe (or, without one, the model) with the flags over it; a row decodes
+    with its recipe's decoding, generating --gen-length tokens."""
     from oled import bench as b
-    from oled.launch import build, check
 
-    cfg = b.BenchConfig(gen_length=max_tokens or gen_length, block_length=block_length,
-                        threshold=threshold, prompt_length=prompt_length,
+    cfg = b.BenchConfig(gen_length=max_tokens or gen_length, prompt_length=prompt_length,
                         warmup_runs=warmup_runs, runs=runs, seed=seed, profile=profile)  # fmt: skip
+    flags = dict(device=device, dtype=dtype, cache_size=cache_size, graphs=graphs,
+                 kernels=kernels, block_length=block_length, threshold=threshold)  # fmt: skip
     paths = [*(recipes or []), *([recipe] if recipe else [])]
-    name = model.split(":", 1)[1] if model.startswith("builtin:") else Path(model).name
-    specs = [(p.stem, spec_of(model, device, dtype, p, None, graphs, kernels)) for p in paths] or [
-        (name if cache_size is None else f"{name} cache={cache_size}",
-         spec_of(model, device, dtype, None, cache_size, graphs, kernels))
-    ]  # fmt: skip
-    for _, spec in specs:
-        check(spec)
+    specs = [(p.stem, command_spec(p, model, **flags)) for p in paths] or [
+        (row_name(model, cache_size), command_spec(None, model, **flags))
+    ]
     works = [_trace_workload(spec, routing, prompts) for _, spec in specs]
     if prompts is not None and not any(works):
         raise ValueError("--prompts selects traced prompts: give --routing trace:PATH")
+    _bench_rows(cfg, specs, works, follow, report_dir)
+
+
+def row_name(model: str | None, cache_size: int | None) -> str:
+    """A bench row's label without a recipe: the model's name, and its cache size if given."""
+    from oled.recipe import BUILTIN, DEFAULT_MODEL
+
+    model = model or DEFAULT_MODEL
+    name = model.removeprefix(BUILTIN) if model.startswith(BUILTIN) else Path(model).name
+    return name if cache_size is None else f"{name} cache={cache_size}"
+
+
+def _bench_rows(cfg, specs, works, follow: bool, report_dir: Path | None) -> None:
+    """Run every row (one runtime at a time), print the tables and write the report (after
+    each row too, when there are several, so that finished rows survive a later failure)."""
+    import gc
+
+    from oled import bench as b
+    from oled.runtime import build
+
     rows, used, report = [], "cpu", None
     trajectory = b.Trajectory() if follow else None
     for (label, spec), work in zip(specs, works, strict=True):
         rt = build(spec)
         used = str(rt.device)
-        if profile and rt.device.type != "cuda":
+        if cfg.profile and rt.device.type != "cuda":
             err_console.print(f"[yellow]--profile: no device timeline on {rt.device}; "
                               "host time per stage only[/yellow]")  # fmt: skip
         if work is not None:
@@ -222,7 +280,7 @@ def bench(
                               f"runs, prompt {cfg.prompt_length}, {cfg.gen_length} tokens"
                               "[/dim]")  # fmt: skip
             rows.append(b.bench_runtime(rt, cfg, label, trajectory))
-        if report_dir is not None and len(specs) > 1:  # the rows done, should a later one fail
+        if report_dir is not None and len(specs) > 1:
             report = b.write_report(report_dir, cfg, rows, used, report)
         del rt
         gc.collect()
@@ -248,20 +306,18 @@ def _trace_workload(spec, routing: str | None, prompts: str | None):
     against the row's model geometry before anything loads."""
     from oled.bench import TraceWorkload
     from oled.decoding.replay import check_geometry, select_prompts
+    from oled.decoding.trace_file import Trace
     from oled.model.config import ModelConfig
-    from oled.recipe import TRACE, load_recipe, routing_trace
+    from oled.recipe import TRACE, routing_trace
     from oled.runtime import resolve_model
-    from oled.trace.format import Trace
 
-    recipe = load_recipe(spec.recipe) if spec.recipe is not None else None
     if routing is not None:
         if routing != "model" and not (routing.startswith(TRACE) and routing[len(TRACE) :]):
             raise ValueError(f"--routing: expected 'model' or 'trace:PATH' (got {routing!r})")
         path = routing_trace(routing)
     else:
-        path = recipe.routing_trace() if recipe is not None else None
-        if prompts is None and recipe is not None:
-            prompts = recipe.workload.trace_prompts
+        path = spec.routing_trace()
+        prompts = spec.workload.trace_prompts if prompts is None else prompts
     if path is None:
         return None
     if not path.is_file():
@@ -270,14 +326,14 @@ def _trace_workload(spec, routing: str | None, prompts: str | None):
     if path not in _TRACES:
         _TRACES[path] = Trace.load(path)
     trace = _TRACES[path]
-    model = recipe.model.path if recipe is not None else spec.model
-    check_geometry(trace, ModelConfig.from_json(resolve_model(model)))
+    check_geometry(trace, ModelConfig.from_json(resolve_model(spec.model.path)))
     chosen = select_prompts(prompts, len(trace.prompt_starts))
     return TraceWorkload(trace=trace, prompts=tuple(chosen), name=path.name)
 
 
 def register(app: typer.Typer) -> None:
     """Add the commands to the `oled` app."""
+    app.command()(generate)
     app.command()(serve)
     app.command()(chat)
     app.command()(env)

@@ -10,12 +10,6 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-
-def cache_home() -> Path:
-    """Where built-in models and built code are kept: $OLED_HOME, else ~/.cache/oled."""
-    return Path(os.environ.get("OLED_HOME") or Path.home() / ".cache" / "oled")
-
-
 PACKAGES = ("oled-moe", "safetensors", "tokenizers", "numpy", "pydantic", "typer",
             "rich", "fastapi", "uvicorn", "mlflow-skinny", "mlflow", "optuna", "matplotlib",
             "triton")  # fmt: skip
@@ -63,17 +57,21 @@ def cpu_rows(report: Report) -> None:
     report.add("torch threads", torch.get_num_threads())
     report.add("AMX", ", ".join(amx) if amx else ("no" if flags else "unknown"))
     report.add("AVX-512", "yes" if "avx512f" in flags else ("no" if flags else "unknown"))
-    report.add("host planner", planner_row())
+    report.add("host planner", planner_row(report))
 
 
-def planner_row() -> str:
-    """Whether the offload engine plans compiled (oled.offload.native) or in Python."""
-    from oled.offload import native
+def planner_row(report: Report) -> str:
+    """Whether the offload engine plans compiled (oled.policies.native) or in Python; a
+    compiled library that disagrees with its Python mirrors is a failure of the report."""
+    from oled.policies import native
 
     try:
         native.library()
     except native.NativeUnavailable as e:
         return f"Python (compiled planner unavailable: {e})"
+    except native.ContractError as e:
+        report.failures.append(str(e))
+        return "refused (the compiled code and its Python mirrors disagree)"
     return "compiled (built-in policies; policies of one's own in Python)"
 
 

@@ -4,45 +4,145 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
+from oled.recipe.schema import DEFAULT_MODEL, DecodingSection, RuntimeSection
+
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+RUNTIME, DECODING = RuntimeSection(), DecodingSection()  # the defaults, for the help texts
 
 ModelOpt = Annotated[
-    str, typer.Option("--model", "-m", help="Checkpoint directory or builtin:NAME.")
+    str | None,
+    typer.Option("--model", "-m", help="Checkpoint directory or builtin:NAME (default: the "
+                 f"recipe's, else {DEFAULT_MODEL})."),
+]  # fmt: skip
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option(help=f"auto, cpu, cuda or cuda:N (default: the recipe's, else {RUNTIME.device})."),
 ]
-DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
-DtypeOpt = Annotated[str, typer.Option(help="bfloat16, float16 or float32.")]
+DtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        help=f"bfloat16, float16 or float32 (default: the recipe's, else {RUNTIME.dtype})."
+    ),
+]
 RecipeOpt = Annotated[
-    Path | None, typer.Option("--recipe", "-r", help="TOML recipe (model, budget, policies).")
-]
+    Path | None,
+    typer.Option("--recipe", "-r", help="TOML recipe (model, budget, policies, decoding); "
+                 "the other flags override it."),
+]  # fmt: skip
 CacheOpt = Annotated[
     int | None,
-    typer.Option("--cache-size", help="GPU expert slots per layer (default: all resident)."),
+    typer.Option("--cache-size", help="GPU expert slots per MoE layer, with the recipe's "
+                 "policies, else OLED's (default: the recipe's budget, else all resident)."),
+]  # fmt: skip
+BlockOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--block-length",
+        help=f"Positions per diffusion block (default: the recipe's, else {DECODING.block_length}).",
+    ),
 ]
-BlockOpt = Annotated[int, typer.Option("--block-length", help="Positions per diffusion block.")]
-ThresholdOpt = Annotated[float, typer.Option(help="Commit confidence threshold.")]
+ThresholdOpt = Annotated[
+    float | None,
+    typer.Option(
+        help=f"Commit confidence threshold (default: the recipe's, else {DECODING.threshold})."
+    ),
+]
+MaxTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-tokens",
+        help=f"Tokens to generate (default: the recipe's, else {DECODING.max_new_tokens}).",
+    ),
+]
+TemperatureOpt = Annotated[
+    float | None,
+    typer.Option(
+        help=f"0 = greedy; > 0 samples (default: the recipe's, else {DECODING.temperature:g})."
+    ),
+]
+SeedOpt = Annotated[
+    int | None, typer.Option(help=f"Sampling seed (default: the recipe's, else {DECODING.seed}).")
+]
 GraphsOpt = Annotated[
-    bool,
+    bool | None,
     typer.Option(
         "--graphs/--eager",
         help="On CUDA, replay forwards as CUDA graphs (the same tokens); --eager launches "
-        "every kernel from Python.",
+        "every kernel from Python (default: the recipe's, else "
+        f"{'graphs' if RUNTIME.cuda_graphs else 'eager'}).",
     ),
 ]
-
 KernelsOpt = Annotated[
     str | None,
     typer.Option(
         "--kernels",
         help="auto: fused Triton kernels on CUDA where triton imports; triton: insist on them; "
-        "torch: plain torch kernels (default: the recipe's, else auto).",
+        f"torch: plain torch kernels (default: the recipe's, else {RUNTIME.kernels}).",
     ),
 ]
+
+
+def runtime_flags(
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    cache_size: int | None = None,
+    graphs: bool | None = None,
+    kernels: str | None = None,
+    block_length: int | None = None,
+    threshold: float | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    seed: int | None = None,
+    use_cache: bool | None = None,
+    max_tokens_flag: str = "--max-tokens",
+) -> dict[str, tuple[str, Any]]:
+    """The runtime and decoding flags as recipe keys: `{dotted key: (flag, value or None)}`
+    for oled.recipe.command_recipe (a flag left out is None and keeps the recipe's value)."""
+    budget = None if cache_size is None else {"slots_per_layer": cache_size}
+    return {
+        "runtime.device": ("--device", device),
+        "runtime.dtype": ("--dtype", dtype),
+        "runtime.budget": ("--cache-size", budget),
+        "runtime.cuda_graphs": ("--graphs/--eager", graphs),
+        "runtime.kernels": ("--kernels", kernels),
+        "decoding.block_length": ("--block-length", block_length),
+        "decoding.threshold": ("--threshold", threshold),
+        "decoding.max_new_tokens": (max_tokens_flag, max_tokens),
+        "decoding.temperature": ("--temperature", temperature),
+        "decoding.seed": ("--seed", seed),
+        "decoding.use_cache": ("--no-cache", use_cache),
+    }
+
+
+def command_spec(recipe: Path | None, model: str | None, **flags: Any) -> Any:
+    """The recipe a command builds its runtime from (oled.recipe.command_recipe): the flags
+    given (runtime_flags' names) over `recipe` over the schema's defaults; checked now."""
+    from oled.recipe import command_recipe
+    from oled.runtime import check
+
+    spec = command_recipe(recipe, model, runtime_flags(**flags))
+    check(spec)
+    return spec
+
+
+def load(spec: Any, *, progress: bool = False) -> Any:
+    """The runtime of a command's spec (oled.runtime.build); says what loaded, where, how fast."""
+    import time
+
+    from oled.runtime import build
+
+    t0 = time.perf_counter()
+    rt = build(spec, progress=progress)
+    err_console.print(f"[dim]loaded {rt.checkpoint.path} on {rt.device} "
+                      f"in {time.perf_counter() - t0:.1f} s[/dim]")  # fmt: skip
+    return rt
 
 
 def user_errors(fn):

@@ -1,4 +1,10 @@
-"""A loaded model ready to decode: checkpoint + expert executor + decoder, on one device."""
+"""A loaded model ready to decode: checkpoint + expert executor + decoder, on one device.
+
+`build(recipe)` is the one way from a spec to a runtime: every command turns its input into a
+recipe (oled.recipe.command_recipe: flags over the recipe over the schema's defaults) and builds
+it here; `build_runtime` is the same construction from keyword arguments, for library use, with
+the schema's defaults.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,16 +23,17 @@ from oled import kernels as fused_kernels
 from oled.decoding import BlockDecoder, BlockInfo, DecodeConfig, DecodeObserver, GenerationStats
 from oled.decoding.follow import Trajectory
 from oled.decoding.replay import RoutingReplay, special_ids
-from oled.env import cache_home
 from oled.model.checkpoint import Checkpoint, load_checkpoint
 from oled.model.experts import ResidentExperts
 from oled.model.graphs import EagerForward, GraphedForward
 from oled.model.presets import PRESETS, init_checkpoint
-from oled.offload.budget import Budget
+from oled.offload.budget import KV_TOKENS, Budget
 from oled.offload.engine import OffloadEngine
-from oled.offload.planner import Planner
 from oled.offload.predict import NextLayerRouting
+from oled.paths import cache_home
 from oled.policies.base import AllocationPolicy, CompensationPolicy, CostModel, RetentionPolicy
+from oled.policies.planner import Planner
+from oled.recipe import DEFAULT_MODEL, Recipe, RuntimeSection
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -36,6 +44,7 @@ DTYPES = {
     "fp32": torch.float32,
 }
 BUILTIN = "builtin:"
+SETTINGS = RuntimeSection()  # the schema's runtime defaults
 RESIDENT_SUMMARY = {
     "resident": True, "hit_rate": 1.0, "hits": 0.0, "misses": 0.0, "copies": 0.0,
     "copy_bytes": 0.0, "cpu_experts": 0.0, "gpu_experts": 0.0, "cpu_share": 0.0,
@@ -185,7 +194,7 @@ class Runtime:
             self.last_stats = decoder.stats
 
     def routing_replay(self, trace) -> RoutingReplay:
-        """A trace (oled.trace.format.Trace) ready to replay on this model (the last one is
+        """A trace (oled.decoding.trace_file.Trace) ready to replay on this model (the last one is
         kept, with its device buffers); ValueError naming both shapes unless the model has the
         trace's routing geometry."""
         if isinstance(trace, RoutingReplay):
@@ -284,25 +293,48 @@ class Runtime:
         return trajectory
 
 
+def check(recipe: Recipe) -> None:
+    """Fail now, before any weight loads, on a spec that cannot run here: a device torch does
+    not see, kernels that cannot run on it, a model without a readable config."""
+    from oled.model.config import ModelConfig
+
+    fused_kernels.check(recipe.runtime.kernels, pick_device(recipe.runtime.device))
+    ModelConfig.from_json(resolve_model(recipe.model.path))
+
+
+def build(recipe: Recipe, *, progress: bool = False) -> Runtime:
+    """The runtime a recipe describes (policies are None when every expert is resident)."""
+    rt = recipe.runtime
+    resident = rt.budget.resident is True
+    policies = {} if resident else recipe.policy.build()
+    return build_runtime(
+        model=recipe.model.path, device=rt.device, dtype=rt.dtype,
+        budget=Budget(*rt.budget.choice()), cost=rt.cost, cpu_threads=rt.cpu_threads,
+        stage_capacity=rt.stage_capacity, prefetch=rt.prefetch, decode=recipe.decoding.config(),
+        progress=progress, graphs=rt.cuda_graphs, kernels=rt.kernels, planner=rt.planner,
+        **policies,
+    )  # fmt: skip
+
+
 def build_runtime(
     *,
-    model: str = "builtin:tiny",
-    device: str = "auto",
-    dtype: str = "bfloat16",
+    model: str = DEFAULT_MODEL,
+    device: str = SETTINGS.device,
+    dtype: str = SETTINGS.dtype,
     budget: Budget | None = None,
     allocation: AllocationPolicy | None = None,
     retention: RetentionPolicy | None = None,
     compensation: CompensationPolicy | None = None,
-    cost: CostModel | str = "calibrate",
-    cpu_threads: int | None = None,
-    stage_capacity: int = 8,
-    prefetch: int = 0,
-    kv_tokens: int = 4096,
+    cost: CostModel | str = SETTINGS.cost,
+    cpu_threads: int | None = SETTINGS.cpu_threads,
+    stage_capacity: int = SETTINGS.stage_capacity,
+    prefetch: int = SETTINGS.prefetch,
+    kv_tokens: int = KV_TOKENS,
     decode: DecodeConfig | None = None,
     progress: bool = False,
-    graphs: bool = True,
-    kernels: str = "auto",
-    planner: str = "auto",
+    graphs: bool = SETTINGS.cuda_graphs,
+    kernels: str = SETTINGS.kernels,
+    planner: str = SETTINGS.planner,
     driver: bool | None = None,
 ) -> Runtime:
     """Load a model under a GPU budget with the given policies (missing ones get OLED's).
@@ -312,7 +344,7 @@ def build_runtime(
     unless `graphs` is False (the same tokens either way), and the hot stages run as fused
     Triton kernels unless `kernels` is "torch" (oled.kernels). `prefetch` > 0 copies up to
     that many experts per MoE layer a layer ahead, from the next layer's predicted routing
-    (oled.offload.predict). `planner` "auto" plans compiled where it can (oled.offload.native),
+    (oled.offload.predict). `planner` "auto" plans compiled where it can (oled.policies.native),
     "compiled" insists on it, "python" keeps the Python planner: the same decisions either way.
     `driver` launches graphed layer calls from C where possible (None), insists (True) or never
     does (False; oled.offload.driver): the same tokens either way.
@@ -385,8 +417,6 @@ def make_planner(
 ) -> Planner:
     """A planner with the given policies; OLED's own where one is not given; compiled or in
     Python as `planner` says ("auto", "compiled", "python")."""
-    from oled.policies import with_oled_defaults
-
     if planner not in PLANNER_MODES:
         raise ValueError(f"unknown planner {planner!r}: choose from {', '.join(PLANNER_MODES)}")
 
@@ -398,31 +428,41 @@ def make_planner(
         else:
             cost = CostModel.profile(cost)
     cfg = ckpt.config
-    return Planner(
-        num_layers=cfg.num_moe_layers,
-        num_experts=cfg.num_experts,
-        top_k=cfg.num_experts_per_tok,
-        total_slots=slots,
+    return Planner.for_model(
+        cfg.num_moe_layers,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        slots,
         stage_capacity=stage_capacity,
-        prefetch_limit=prefetch,
         cost=cost,
+        allocation=allocation,
+        retention=retention,
+        compensation=compensation,
+        prefetch_limit=prefetch,
         compiled=PLANNER_MODES[planner],
-        **with_oled_defaults(allocation=allocation, retention=retention, compensation=compensation),
     )
 
 
-def load_runtime(
-    model: str = "builtin:tiny",
-    *,
-    device: str = "auto",
-    dtype: str = "bfloat16",
-    decode: DecodeConfig | None = None,
-    progress: bool = False,
-    graphs: bool = True,
-    kernels: str = "auto",
-) -> Runtime:
-    """All experts resident on the device: the simplest runtime and the reference."""
-    return build_runtime(
-        model=model, device=device, dtype=dtype, decode=decode, progress=progress, graphs=graphs,
-        kernels=kernels,
-    )  # fmt: skip
+def load_runtime(model: str = DEFAULT_MODEL, **settings: Any) -> Runtime:
+    """All experts resident on the device: the simplest runtime and the reference; `settings`:
+    build_runtime's (device, dtype, decode, progress, graphs, kernels)."""
+    return build_runtime(model=model, budget=None, **settings)
+
+
+OFFLOAD_KEYS = ("hit_rate", "hits", "misses", "copies", "copy_bytes", "cpu_experts",
+                "gpu_experts", "cpu_share", "stall_ms")  # fmt: skip
+
+
+def offload_stats(rt: Runtime) -> dict[str, float] | None:
+    """The offload engine's headline figures for the last generation; None when resident."""
+    summary = rt.offload_summary()
+    if summary is None:
+        return None
+    return {k: float(summary[k]) for k in OFFLOAD_KEYS if k in summary}
+
+
+def stats_dict(rt: Runtime) -> dict[str, Any]:
+    """The last generation's figures without per-iteration lists (for reports and the API)."""
+    out = {k: v for k, v in rt.last_stats.to_dict().items() if k != "iteration_ms"}
+    out["offload"] = offload_stats(rt)
+    return out

@@ -142,7 +142,7 @@ def trace_file(tmp_path_factory) -> Path:
     from oled.decoding import DecodeConfig
     from oled.decoding.replay import random_ids, special_ids
     from oled.runtime import load_runtime
-    from oled.trace.commands import record
+    from oled.trace.record import record
 
     rt = load_runtime("builtin:tiny", device="cpu", dtype="float32")
     prompts = [rt.prompt_ids(p, chat=True) for p in ("What is the capital of France?", "Hi")]

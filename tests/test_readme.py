@@ -27,3 +27,13 @@ def test_python_example_runs(monkeypatch):
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)  # noqa: S102
     assert namespace["answer"].stats.iterations > 0
+
+
+def test_printed_recipe_hashes_are_what_the_code_prints():
+    """Every `ok  <recipe file>  HASH` line of the README is today's hash of that recipe."""
+    from oled.recipe import load_recipe
+
+    printed = re.findall(r"^ok  (\S+\.toml)  ([0-9a-f]{12})$", README, flags=re.M)
+    assert printed, "the README shows `oled validate` output"
+    for path, digest in printed:
+        assert load_recipe(ROOT / path).hash() == digest, f"{path}: the README's hash is stale"

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -38,7 +39,7 @@ from oled.bench import (  # noqa: E402
 )
 from oled.decoding import DecodeConfig, Trajectory  # noqa: E402
 from oled.kernels import use as use_kernels  # noqa: E402
-from oled.model.checkpoint import load_checkpoint  # noqa: E402
+from oled.model.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from oled.model.experts import ResidentExperts  # noqa: E402
 from oled.model.presets import init_checkpoint  # noqa: E402
 from oled.offload.budget import Budget, total_slots  # noqa: E402
@@ -48,6 +49,10 @@ from oled.policies import allocation as A  # noqa: E402
 from oled.policies import compensation as C  # noqa: E402
 from oled.policies import retention as R  # noqa: E402
 from oled.runtime import Runtime, make_engine, make_planner  # noqa: E402
+
+if TYPE_CHECKING:
+    from oled.offload.engine import OffloadEngine
+    from oled.offload.predict import RecordedRouting
 
 CONFIGS = {
     **{name: lambda name=name: anchor_policies(name) for name in ANCHORS},
@@ -59,20 +64,85 @@ CONFIGS = {
     "oled-tuned": lambda: tuned("recipes/twin/oled-tuned.toml"),
 }
 
+KERNEL_MODES = {"auto": ["auto"], "torch": ["torch"], "both": ["auto", "torch"]}
+GRAPH_MODES = {"on": [True], "off": [False], "both": [True, False]}
+
 
 def tuned(recipe: str) -> dict:
     """The policies of a recipe file (relative to the repository)."""
-    from oled.experiment.build import build_policy
     from oled.recipe import load_recipe
 
-    r = load_recipe(Path(__file__).resolve().parents[1] / recipe)
-    return {
-        k: build_policy(k, getattr(r.policy, k))
-        for k in ("allocation", "retention", "compensation")
-    }
+    return load_recipe(Path(__file__).resolve().parents[1] / recipe).policy.build()
+
+
+class Combo(NamedTuple):
+    """One offloaded row's settings, besides its budget."""
+
+    name: str
+    graphs: bool
+    kernels: str
+    prefetch: int
+    planner: str
+    batched: bool
+    driver: bool | None
+
+
+@dataclass
+class Bench:
+    """What every row shares: the checkpoint, the settings, and the rows measured so far."""
+
+    args: argparse.Namespace
+    ckpt: Checkpoint
+    dev: torch.device
+    cfg: BenchConfig
+    decode: DecodeConfig
+    trajectory: Trajectory | None
+    kernel_modes: list[str]
+    work: TraceWorkload | None
+    rows: list[dict] = field(default_factory=list)
+    report: Path | None = None
+
+    def measure(self, rt: Runtime, label: str, graphs: bool) -> None:
+        """Time one row: replay the workload, or generate (following the trajectory)."""
+        rcfg = replace(self.cfg, profile=graphs and self.cfg.profile)
+        self.rows.append(
+            bench_replay(rt, rcfg, label, self.work)
+            if self.work
+            else bench_runtime(rt, rcfg, label, self.trajectory)
+        )
+
+    def save(self) -> Path:
+        """Write the rows so far: the same report, rewritten after each row."""
+        out = Path(self.args.report_dir)
+        self.report = write_report(out, self.cfg, self.rows, str(self.dev), self.report)
+        return self.report
 
 
 def main() -> None:
+    """Measure every row, print the tables and write the report."""
+    ap = parser()
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    ckpt = load(Path(args.model), dev)
+    # every row at the main prompt length commits the first row's tokens: the same work
+    trajectory = Trajectory() if args.follow else None
+    if args.ahead_from == "recorded" and trajectory is None:
+        ap.error("--ahead-from recorded needs rows that follow one trajectory (no --no-follow)")
+    bench = Bench(
+        args=args, ckpt=ckpt, dev=dev, cfg=bench_config(args),
+        decode=DecodeConfig(max_new_tokens=args.gen_length), trajectory=trajectory,
+        kernel_modes=KERNEL_MODES[args.kernels],
+        work=replay_workload(args.routing, args.prompts) if args.routing else None,
+    )  # fmt: skip
+    oracle = resident_rows(bench)
+    bench.save()
+    for frac in [float(f) for f in args.budgets.split(",") if f]:
+        budget_rows(bench, frac, oracle)
+    print_summary(bench)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="/tmp/oled-mini-shape")
     ap.add_argument("--prompt-length", type=int, default=512)
@@ -148,118 +218,151 @@ def main() -> None:
         metavar="NAME@FRACTION",
         help="host profile (cProfile) of one more generation of this row",
     )
-    args = ap.parse_args()
-    dev = torch.device(args.device)
-    ckpt = load(Path(args.model), dev)
-    cfg = BenchConfig(
+    return ap
+
+
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    """Warm-up, timed runs and lengths of every row."""
+    return BenchConfig(
         gen_length=args.gen_length, prompt_length=args.prompt_length, runs=args.runs,
         warmup_runs=args.warmup_runs, profile=args.profile,
     )  # fmt: skip
-    decode = DecodeConfig(max_new_tokens=args.gen_length)
-    resident = ResidentExperts(ckpt.experts, dev)
-    rows = []
-    # every row at the main prompt length commits the first row's tokens: the same work
-    trajectory = Trajectory() if args.follow else None
-    if args.ahead_from == "recorded" and trajectory is None:
-        ap.error("--ahead-from recorded needs rows that follow one trajectory (no --no-follow)")
-    oracle = None  # RecordedRouting of the followed generation, with --ahead-from recorded
-    kernel_modes = {"auto": ["auto"], "torch": ["torch"], "both": ["auto", "torch"]}[args.kernels]
-    work = replay_workload(args.routing, args.prompts) if args.routing else None
-    resident_modes = (True,) if work else (True, False)
-    for kernels, graphs in [(k, g) for k in kernel_modes for g in resident_modes]:
-        rt = Runtime(checkpoint=ckpt, device=dev, executor=resident, decode=decode, graphs=graphs,
-                     kernels=kernels)  # fmt: skip
-        mode = ("graphs" if graphs else "eager") + suffix(kernels)
-        rcfg = replace(cfg, profile=graphs and cfg.profile)
-        rows.append(
-            bench_replay(rt, rcfg, f"resident {mode}", work)
-            if work
-            else bench_runtime(rt, rcfg, f"resident {mode}", trajectory)
-        )
-        for n in [int(n) for n in args.resident_prompts.split(",") if n]:
-            longer = replace(cfg, prompt_length=n, profile=False)
-            rows.append(bench_runtime(rt, longer, f"resident {mode} p{n}"))
-        if args.trace and not graphs:
-            from oled.trace.commands import record_trace
 
-            record_trace(rt, [random_prompt(rt, cfg.prompt_length, cfg.seed)], Path(args.trace))
+
+def resident_rows(bench: Bench) -> RecordedRouting | None:
+    """Resident rows (with and without graphs, per kernel mode), and their extras; the
+    recorded routing of the followed generation with --ahead-from recorded."""
+    args, cfg = bench.args, bench.cfg
+    resident = ResidentExperts(bench.ckpt.experts, bench.dev)
+    oracle = None
+    graph_modes = (True,) if bench.work else (True, False)
+    for kernels, graphs in [(k, g) for k in bench.kernel_modes for g in graph_modes]:
+        rt = Runtime(checkpoint=bench.ckpt, device=bench.dev, executor=resident,
+                     decode=bench.decode, graphs=graphs, kernels=kernels)  # fmt: skip
+        mode = ("graphs" if graphs else "eager") + suffix(kernels)
+        bench.measure(rt, f"resident {mode}", graphs)
+        resident_prompt_rows(bench, rt, mode)
+        if args.trace and not graphs:
+            record_resident(rt, cfg, Path(args.trace))
         if args.ahead_from == "recorded" and not graphs and oracle is None:
-            oracle = recorded_routing(rt, cfg, trajectory)
+            oracle = recorded_routing(rt, cfg, bench.trajectory)
         print(f"done: resident {mode}", flush=True)
         del rt
     del resident
-    torch.cuda.empty_cache() if dev.type == "cuda" else None
-    report = write_report(Path(args.report_dir), cfg, rows, str(dev))  # rewritten after each row
-    modes = {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
+    free_cache(bench.dev)
+    return oracle
+
+
+def resident_prompt_rows(bench: Bench, rt: Runtime, mode: str) -> None:
+    """Resident rows at the --resident-prompts lengths (not profiled, not followed)."""
+    for n in [int(n) for n in bench.args.resident_prompts.split(",") if n]:
+        longer = replace(bench.cfg, prompt_length=n, profile=False)
+        bench.rows.append(bench_runtime(rt, longer, f"resident {mode} p{n}"))
+
+
+def record_resident(rt: Runtime, cfg: BenchConfig, out: Path) -> None:
+    """Record the routing of one generation from the benchmark's prompt into `out`."""
+    from oled.trace.record import record_trace
+
+    record_trace(rt, [random_prompt(rt, cfg.prompt_length, cfg.seed)], out)
+
+
+def combos(args: argparse.Namespace, kernel_modes: list[str]) -> list[Combo]:
+    """Every offloaded row of one budget, in table order."""
     names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
-    for frac in [float(f) for f in args.budgets.split(",") if f]:
-        budget = Budget("expert_fraction", frac)
-        slots = total_slots(budget, ckpt.config, dtype=torch.bfloat16, device=dev)
-        ahead = [int(n) for n in args.prefetch.split(",")]
-        planners, launches = args.planner.split(","), args.copies.split(",")
-        drivers = [None if d == "auto" else False for d in args.driver.split(",")]
-        for name, graphs, kernels, prefetch, plans, batched, driver in [
-            (n, g, k, a, pl, c == "batched", d)
-            for n in names for g in modes for k in kernel_modes for a in ahead for pl in planners
-            for c in launches for d in drivers
-        ]:  # fmt: skip
-            use_batches(batched)
-            p = CONFIGS[name]()
-            use_kernels(kernels)  # the cost calibration times the kernels the row runs
-            planner = make_planner(
-                ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], args.cost,
-                prefetch, plans,
-            )  # fmt: skip
-            engine = make_engine(ckpt, dev, planner, driver)
-            observers = [engine]
-            if prefetch and oracle is not None:
-                engine.predict = oracle
-                observers.append(oracle)
-            rt = Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=decode,
-                         observers=observers, graphs=graphs, kernels=kernels)  # fmt: skip
-            label = f"{name} @ {frac:g}" + ("" if graphs else " eager") + suffix(kernels)
-            label += f" ahead {prefetch}" if prefetch else ""
-            label += " recorded" if prefetch and oracle is not None else ""
-            label += "" if planner.compiled else " python-planner"
-            label += "" if batched else " copies-each"
-            label += " python-launch" if graphs and engine.cuda and engine.driver is None else ""
-            rcfg = replace(cfg, profile=graphs and cfg.profile)
-            rows.append(
-                bench_replay(rt, rcfg, label, work)
-                if work
-                else bench_runtime(rt, rcfg, label, trajectory)
-            )
-            if hasattr(p["compensation"], "slowdown"):  # learned from the measured CPU experts
-                rows[-1]["cpu_slowdown"] = p["compensation"].slowdown
-                print(f"{label}: CPU-expert slowdown now {p['compensation'].slowdown:.2f}")
-            if graphs and kernels == kernel_modes[0] and args.cprofile == f"{name}@{frac:g}":
-                host_profile(rt, cfg, Path(args.report_dir) / "host_profile.txt")
-            report = write_report(Path(args.report_dir), cfg, rows, str(dev), report)  # so far
-            print(f"done: {label}", flush=True)
-            del rt, engine, planner
-            torch.cuda.empty_cache() if dev.type == "cuda" else None
+    graph_modes = GRAPH_MODES[args.graphs]
+    ahead = [int(n) for n in args.prefetch.split(",")]
+    planners, launches = args.planner.split(","), args.copies.split(",")
+    drivers = [None if d == "auto" else False for d in args.driver.split(",")]
+    return [
+        Combo(n, g, k, a, pl, c == "batched", d)
+        for n in names for g in graph_modes for k in kernel_modes for a in ahead for pl in planners
+        for c in launches for d in drivers
+    ]  # fmt: skip
+
+
+def budget_rows(bench: Bench, frac: float, oracle: RecordedRouting | None) -> None:
+    """Every offloaded row at the budget of `frac` of the experts."""
+    budget = Budget("expert_fraction", frac)
+    slots = total_slots(budget, bench.ckpt.config, dtype=torch.bfloat16, device=bench.dev)
+    for combo in combos(bench.args, bench.kernel_modes):
+        offloaded_row(bench, combo, frac, slots, oracle)
+
+
+def offloaded_row(
+    bench: Bench, c: Combo, frac: float, slots: int | None, oracle: RecordedRouting | None
+) -> None:
+    """Measure one offloaded row (and its host profile if --cprofile names it)."""
+    ckpt, dev, args = bench.ckpt, bench.dev, bench.args
+    use_batches(c.batched)
+    p = CONFIGS[c.name]()
+    use_kernels(c.kernels)  # the cost calibration times the kernels the row runs
+    planner = make_planner(
+        ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], args.cost,
+        c.prefetch, c.planner,
+    )  # fmt: skip
+    engine = make_engine(ckpt, dev, planner, c.driver)
+    recorded = bool(c.prefetch) and oracle is not None
+    observers = [engine]
+    if recorded:
+        engine.predict = oracle
+        observers.append(oracle)
+    rt = Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=bench.decode,
+                 observers=observers, graphs=c.graphs, kernels=c.kernels)  # fmt: skip
+    label = row_label(c, frac, recorded, planner.compiled, engine)
+    bench.measure(rt, label, c.graphs)
+    if hasattr(p["compensation"], "slowdown"):  # learned from the measured CPU experts
+        bench.rows[-1]["cpu_slowdown"] = p["compensation"].slowdown
+        print(f"{label}: CPU-expert slowdown now {p['compensation'].slowdown:.2f}")
+    if c.graphs and c.kernels == bench.kernel_modes[0] and args.cprofile == f"{c.name}@{frac:g}":
+        host_profile(rt, bench.cfg, Path(args.report_dir) / "host_profile.txt")
+    bench.save()
+    print(f"done: {label}", flush=True)
+    del rt, engine, planner
+    free_cache(dev)
+
+
+def row_label(c: Combo, frac: float, recorded: bool, compiled: bool, engine: OffloadEngine) -> str:
+    """An offloaded row's label: the configuration and budget, then what is not the default."""
+    label = f"{c.name} @ {frac:g}" + ("" if c.graphs else " eager") + suffix(c.kernels)
+    label += f" ahead {c.prefetch}" if c.prefetch else ""
+    label += " recorded" if recorded else ""
+    label += "" if compiled else " python-planner"
+    label += "" if c.batched else " copies-each"
+    label += " python-launch" if c.graphs and engine.cuda and engine.driver is None else ""
+    return label
+
+
+def print_summary(bench: Bench) -> None:
+    """The table of every row (and the stage and host tables with --profile); the report."""
     console = Console(highlight=False, width=250)
-    console.print(table(with_ratios(rows)))
-    if args.profile:
-        console.print(stage_table(rows))
-        console.print(host_table(rows))
-    print(f"report: {write_report(Path(args.report_dir), cfg, rows, str(dev), report)}")
+    console.print(table(with_ratios(bench.rows)))
+    if bench.args.profile:
+        console.print(stage_table(bench.rows))
+        console.print(host_table(bench.rows))
+    print(f"report: {bench.save()}")
+
+
+def free_cache(dev: torch.device) -> None:
+    """Give the freed device memory back (CUDA only)."""
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def replay_workload(path: str, prompts: str) -> TraceWorkload:
     """The trace at `path` and the selected prompt indices (all, I, A:B)."""
     from oled.decoding.replay import select_prompts
-    from oled.trace.format import Trace
+    from oled.decoding.trace_file import Trace
 
     trace = Trace.load(path)
     chosen = select_prompts(prompts, len(trace.prompt_starts))
     return TraceWorkload(trace=trace, prompts=tuple(chosen), name=Path(path).name)
 
 
-def recorded_routing(rt: Runtime, cfg: BenchConfig, trajectory: Trajectory):
+def recorded_routing(rt: Runtime, cfg: BenchConfig, trajectory: Trajectory) -> RecordedRouting:
     """The routing of one generation that follows `trajectory`, as a perfect prediction."""
     from oled.offload.predict import RecordedRouting
-    from oled.trace.commands import record
+    from oled.trace.record import record
 
     prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
     return RecordedRouting(record(rt, [prompt], decode=bench_decode(rt, cfg), follow=trajectory))
@@ -289,7 +392,7 @@ def host_profile(rt: Runtime, cfg: BenchConfig, out: Path) -> None:
     print(text.getvalue()[:3000])
 
 
-def load(path: Path, dev: torch.device):
+def load(path: Path, dev: torch.device) -> Checkpoint:
     """The checkpoint at `path` (built there first if missing), experts pinned for CUDA."""
     t0 = time.perf_counter()
     if not (path / "config.json").exists():

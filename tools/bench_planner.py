@@ -7,7 +7,7 @@ times the planner alone on that recorded routing instead, decode forwards only (
 which runs the prompt, is left out), as `oled bench` reports `plan µs/layer` in place: the two
 figures on one host show what running between the engine's launches costs the planner.
 
-Each configuration is timed with the Python planner and the compiled one (oled.offload.native),
+Each configuration is timed with the Python planner and the compiled one (oled.policies.native),
 which decide alike.
 
 Usage: PYTHONPATH=. python tools/bench_planner.py [--steps 200] [--trace FILE]
@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 
-from oled.offload.planner import Planner
+from oled.decoding.trace_file import Trace
 from oled.policies import ANCHORS, anchor_policies
 from oled.policies.base import CostModel, Load
-from oled.trace.format import Trace
+from oled.policies.planner import Planner
 
 
 def routing(
@@ -99,10 +99,9 @@ def fresh_planner(
 ) -> Planner:
     """A planner with the anchor configuration's fresh policies, `slots` per layer, an 8-slot
     stage and the H200 cost profile, compiled or in Python."""
-    return Planner(
-        num_layers=layers, num_experts=experts, top_k=top_k, total_slots=layers * slots,
-        stage_capacity=8, **anchor_policies(anchor), cost=CostModel.profile("h200"),
-        compiled=compiled,
+    return Planner.for_model(
+        layers, experts, top_k, layers * slots, stage_capacity=8, cost=CostModel.profile("h200"),
+        compiled=compiled, **anchor_policies(anchor),
     )  # fmt: skip
 
 

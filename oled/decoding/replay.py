@@ -1,6 +1,6 @@
 """Routing replay: run a checkpoint on a recorded trace's routing, schedule and confidences.
 
-A routing trace (oled.trace.format, `oled trace record`) holds per forward ("step") and MoE layer
+A routing trace (oled.decoding.trace_file, `oled trace record`) holds per forward ("step") and MoE layer
 the expert ids and gate weights of every row the forward ran (pending prefix rows first, then the
 block's rows), and per row the token state and confidence after that forward. A replay runs the
 same forwards on any checkpoint of the same routing geometry (MoE layers, experts, top-k), at its

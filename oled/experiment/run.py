@@ -113,10 +113,9 @@ def load_workload(recipe: Recipe) -> Workload:
     """The recipe's workload, loaded (and checked) before any model is."""
     path = recipe.routing_trace()
     if path is None:
-        base = recipe.path.parent if recipe.path else None
-        return Workload(load_prompts(recipe.workload.prompts, base))
+        return Workload(load_prompts(recipe.workload.prompts, recipe.folder))
     from oled.decoding.replay import select_prompts
-    from oled.trace.format import Trace
+    from oled.decoding.trace_file import Trace
 
     trace = Trace.load(path)
     chosen = select_prompts(recipe.workload.trace_prompts, len(trace.prompt_starts))
@@ -200,7 +199,7 @@ def run_experiment(
     """Run a recipe end to end; the MLflow run ends FAILED if anything raises."""
     console = console or Console(stderr=True)
     if factory is None:
-        from oled.experiment.build import build as factory
+        from oled.runtime import build as factory
     work = load_workload(recipe)
     with tracked_run(recipe) as tracker:
         tracker.log_params(recipe.flatten())

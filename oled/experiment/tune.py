@@ -33,16 +33,15 @@ class TuneResult:
 
 def simulate_objective(recipe: Recipe) -> dict[str, float]:
     """Replay `[tune] trace` through the recipe's policies in the simulator."""
-    from oled.trace.commands import simulate_recipe
-    from oled.trace.format import Trace
+    from oled.decoding.trace_file import Trace
+    from oled.trace.simulate import simulate_recipe
 
     assert recipe.tune is not None
     if recipe.tune.trace is None:
         raise ValueError("objective 'simulate' needs [tune] trace = PATH (a recorded trace)")
     from oled.recipe import beside
 
-    base = recipe.path.parent if recipe.path else None
-    result, bound = simulate_recipe(Trace.load(beside(recipe.tune.trace, base)), recipe)
+    result, bound = simulate_recipe(Trace.load(beside(recipe.tune.trace, recipe.folder)), recipe)
     out = {k: float(v) for k, v in result.to_dict().items() if isinstance(v, (int, float))}
     return out | {"belady_bound": bound}
 
@@ -50,9 +49,9 @@ def simulate_objective(recipe: Recipe) -> dict[str, float]:
 def run_objective(recipe: Recipe) -> dict[str, float]:
     """Real generations through `oled.build` (replays of `workload.routing`'s trace when it
     names one): the run's summary figures."""
-    from oled.experiment.build import build
     from oled.experiment.report import summarize
     from oled.experiment.run import load_workload, run_loaded
+    from oled.runtime import build
 
     work = load_workload(recipe)
     summary = summarize(run_loaded(build(recipe), recipe, work))

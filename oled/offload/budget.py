@@ -9,14 +9,19 @@ import torch
 
 from oled.model.config import ModelConfig
 
-BudgetKind = Literal["resident", "expert_fraction", "expert_budget", "gpu_memory", "auto"]
+BudgetKind = Literal[
+    "resident", "expert_fraction", "expert_budget", "slots_per_layer", "gpu_memory", "auto"
+]
+SLOT_KINDS = ("expert_fraction", "expert_budget", "slots_per_layer")  # counts, not memory
+KV_TOKENS = 4096  # prefix KV the memory budget reserves room for
 ACTIVATION_RESERVE = 512 << 20  # logits of a block, routing buffers, allocator slack
 
 
 @dataclass(frozen=True)
 class Budget:
     """One of: every expert resident; a fraction of all experts; a number of expert slots (all
-    MoE layers together); a whole-device memory budget in bytes; or `auto` (the free memory)."""
+    MoE layers together); slots per MoE layer; a whole-device memory budget in bytes; or `auto`
+    (the free memory)."""
 
     kind: BudgetKind = "resident"
     value: float | None = None
@@ -24,7 +29,9 @@ class Budget:
     def __post_init__(self) -> None:
         if self.kind == "expert_fraction" and not (self.value and 0 < self.value <= 1):
             raise ValueError(f"expert_fraction must be in (0, 1], got {self.value}")
-        if self.kind in ("expert_budget", "gpu_memory") and not (self.value and self.value > 0):
+        if self.kind in ("expert_budget", "slots_per_layer", "gpu_memory") and not (
+            self.value and self.value > 0
+        ):
             raise ValueError(f"{self.kind} must be positive, got {self.value}")
 
 
@@ -61,7 +68,7 @@ def total_slots(
     *,
     dtype: torch.dtype,
     device: torch.device,
-    kv_tokens: int = 4096,
+    kv_tokens: int = KV_TOKENS,
     stage_capacity: int = 0,
 ) -> int | None:
     """Expert slots for all MoE layers together; None when every expert stays resident.
@@ -71,10 +78,8 @@ def total_slots(
     layers, experts = cfg.num_moe_layers, cfg.num_experts
     if budget.kind == "resident":
         return None
-    if budget.kind == "expert_fraction":
-        slots = round(budget.value * layers * experts)
-    elif budget.kind == "expert_budget":
-        slots = int(budget.value)
+    if budget.kind in SLOT_KINDS:
+        slots = count_slots(budget, layers, experts)
     else:
         memory = budget.value if budget.kind == "gpu_memory" else free_memory(device)
         slots = _slots_in_memory(int(memory), cfg, dtype, kv_tokens, stage_capacity)
@@ -83,6 +88,30 @@ def total_slots(
     if slots < layers:
         raise ValueError(_too_small(budget, cfg, dtype, kv_tokens, stage_capacity, slots))
     return slots
+
+
+def count_slots(budget: Budget, layers: int, experts: int) -> int:
+    """The slots of a budget given as a count (SLOT_KINDS) for a model's shape, before the
+    checks of `total_slots`; ValueError for the kinds that need device memory to size."""
+    if budget.kind == "expert_fraction":
+        return round(budget.value * layers * experts)
+    if budget.kind == "expert_budget":
+        return int(budget.value)
+    if budget.kind == "slots_per_layer":
+        return int(budget.value) * layers
+    raise ValueError(f"a {budget.kind} budget is sized from device memory, not counted")
+
+
+def shape_slots(budget: Budget, layers: int, experts: int) -> int:
+    """Total slots of a count budget for a model's shape without a device (the simulator):
+    at most every expert; ValueError below one slot per MoE layer or for a memory budget."""
+    if budget.kind not in SLOT_KINDS:
+        kinds = f"{', '.join(SLOT_KINDS[:-1])} or {SLOT_KINDS[-1]}"
+        raise ValueError(f"a {budget.kind} budget needs a device to size: give {kinds}")
+    slots = count_slots(budget, layers, experts)
+    if slots < layers:
+        raise ValueError(f"budget of {slots} slots is below one per MoE layer ({layers})")
+    return min(slots, layers * experts)
 
 
 def free_memory(device: torch.device) -> int:
@@ -122,6 +151,7 @@ def _too_small(budget, cfg, dtype, kv_tokens, stage_capacity, slots) -> str:
     what = {
         "expert_fraction": f"expert_fraction {budget.value} gives {slots} slots",
         "expert_budget": f"expert_budget {int(budget.value)} slots",
+        "slots_per_layer": f"slots_per_layer {int(budget.value)} gives {slots} slots",
         "gpu_memory": f"gpu_memory {gib(budget.value)} holds {slots} expert slots",
         "auto": f"the free device memory holds {slots} expert slots",
     }[budget.kind]

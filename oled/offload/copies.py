@@ -6,8 +6,8 @@ row copies of a launch go to the CUDA runtime in one cudaMemcpyBatchAsync call (
 later), else one cudaMemcpyAsync per row and table (about 4 µs of host time each on an H200
 machine); through torch's copy_ one costs 6.5-9 µs there (operator dispatch, a pinned-memory
 check and an event for the host allocator), which the host path of a layer with many misses
-pays dozens of times (docs/performance.md, runs 8 and 12). Where the runtime library cannot be
-found, or off CUDA, torch's `_foreach_copy_` does it.
+pays dozens of times (docs/performance-history.md, runs 8 and 12). Where the runtime library
+cannot be found, or off CUDA, torch's `_foreach_copy_` does it.
 The sources are pinned expert tables that live as long as the engine, so no allocator event is
 needed to keep them alive.
 """

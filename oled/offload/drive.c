@@ -1,6 +1,6 @@
-/* The offload engine's static layer call in C (oled/offload/driver.py loads it with plan.c):
- * the plan (oled_plan), then every launch of the layer through the CUDA runtime, in the order of
- * the engine's Python path (oled/offload/engine.py): the copies into cache slots on the copy
+/* The offload engine's static layer call in C (oled/offload/driver.py loads it with plan.c, from
+ * oled/policies/): the plan (oled_plan), then every launch of the layer through the CUDA runtime,
+ * in the order of the engine's Python path (oled/offload/launches.py): the copies into cache slots on the copy
  * stream between two timing events, the CPU experts' activations to pinned host memory, the
  * slot maps, the hits' pass graph, the wait for the copies, the copied experts' pass graph,
  * then the staged rounds (each waits for the stage's earlier users, copies, waits, passes).
@@ -33,7 +33,7 @@ enum { LOG_COPY, LOG_STALL }; /* what a logged event pair timed */
 enum { C_HITS, C_MISSES, C_COPIES, C_STAGED, C_CPU_EXPERTS, C_CPU_TOKENS, C_GPU_EXPERTS,
        C_PLAN_MS, C_LAUNCH_MS, C_PASS_MS, C_CALLS, C_COPY_MS, C_STALL_MS, N_COUNTS };
 
-/* Mirrors oled.offload.driver.Drive (ctypes). */
+/* Mirrors oled.offload.driver.Drive (ctypes; checked on load against DRIVE_FIELDS). */
 typedef struct {
     memcpy_fn memcpy_async;
     void *memcpy_batch; /* batch12_fn or batch13_fn by batch_abi, or NULL */
@@ -65,7 +65,7 @@ typedef struct {
 
 /* One (layer, tokens) key's static call: its pass graphs by slot-map row (0: not captured
  * yet), its routing on the host (pinned: ids int64, weights fp32, `pairs` of each) and its
- * activations (for CPU experts). Mirrors oled.offload.driver.Call. */
+ * activations (for CPU experts). Mirrors oled.offload.driver.Call (checked like Drive). */
 typedef struct {
     int64_t *execs; /* [n_execs] */
     int64_t n_execs, ids_host, w_host, pairs, x_dev, x_host, x_bytes;
@@ -253,5 +253,43 @@ int64_t oled_collect(Drive *d) {
     return 0;
 }
 
-/* The number of columns of Drive.counts (the Python side checks its mirror). */
-int64_t oled_drive_counts(void) { return N_COUNTS; }
+/* -- the contract: what the Python mirrors are checked against on load (oled.offload.driver) */
+
+static const ContractRow DRIVE_FIELDS[] = {
+    FIELD(Drive, memcpy_async), FIELD(Drive, memcpy_batch), FIELD(Drive, record),
+    FIELD(Drive, wait), FIELD(Drive, launch), FIELD(Drive, create), FIELD(Drive, elapsed),
+    FIELD(Drive, batch_abi), FIELD(Drive, batch_min), FIELD(Drive, batch_attrs),
+    FIELD(Drive, compute), FIELD(Drive, copy), FIELD(Drive, src13), FIELD(Drive, src2),
+    FIELD(Drive, cache13), FIELD(Drive, cache2), FIELD(Drive, stage13), FIELD(Drive, stage2),
+    FIELD(Drive, size13), FIELD(Drive, size2), FIELD(Drive, stage_capacity), FIELD(Drive, bind),
+    FIELD(Drive, out), FIELD(Drive, maps_host), FIELD(Drive, maps_dev), FIELD(Drive, map_rows),
+    FIELD(Drive, num_experts), FIELD(Drive, events), FIELD(Drive, n_events), FIELD(Drive, used),
+    FIELD(Drive, log), FIELD(Drive, log_cap), FIELD(Drive, logged), FIELD(Drive, stage_free),
+    FIELD(Drive, cpu_ready), FIELD(Drive, counts), FIELD(Drive, srcs), FIELD(Drive, dsts),
+    FIELD(Drive, sizes), FIELD(Drive, failed), FIELD(Drive, attr_index), FIELD(Drive, error),
+};
+static const ContractRow CALL_FIELDS[] = {
+    FIELD(Call, execs), FIELD(Call, n_execs), FIELD(Call, ids_host), FIELD(Call, w_host),
+    FIELD(Call, pairs), FIELD(Call, x_dev), FIELD(Call, x_host), FIELD(Call, x_bytes),
+};
+/* oled.offload.driver.COUNTS: the columns of Drive.counts. */
+static const ContractRow COUNT_NAMES[] = {
+    ENTRY("hits", C_HITS), ENTRY("misses", C_MISSES), ENTRY("copies", C_COPIES),
+    ENTRY("staged", C_STAGED), ENTRY("cpu_experts", C_CPU_EXPERTS),
+    ENTRY("cpu_tokens", C_CPU_TOKENS), ENTRY("gpu_experts", C_GPU_EXPERTS),
+    ENTRY("plan_ms", C_PLAN_MS), ENTRY("launch_ms", C_LAUNCH_MS), ENTRY("pass_ms", C_PASS_MS),
+    ENTRY("calls", C_CALLS), ENTRY("copy_ms", C_COPY_MS), ENTRY("stall_ms", C_STALL_MS),
+};
+_Static_assert(N_ROWS(COUNT_NAMES) == N_COUNTS, "every counts column has a name");
+
+static const Contract CONTRACT[] = {
+    STRUCT(Drive, DRIVE_FIELDS),
+    STRUCT(Call, CALL_FIELDS),
+    TABLE("counts", COUNT_NAMES),
+};
+
+/* drive.c's contract: *out = its tables; returns their number. */
+int64_t oled_drive_contract(const Contract **out) {
+    *out = CONTRACT;
+    return N_ROWS(CONTRACT);
+}

@@ -1,8 +1,8 @@
 """The offload engine's static layer calls launched from C (drive.c, built with plan.c by
-oled.offload.native): after the routing sync one call plans the layer and issues every CUDA
+oled.policies.native): after the routing sync one call plans the layer and issues every CUDA
 runtime call of it (copies, timing events, waits, slot maps, the passes' graph launches), in
-the order of the engine's Python path, so the host path of a layer costs one ctypes call
-instead of dozens of Python-level launches (docs/performance.md, run 13).
+the order of the engine's Python path (oled.offload.launches), so the host path of a layer costs one ctypes call
+instead of dozens of Python-level launches (docs/performance-history.md, run 13).
 
 Used for a layer call when the planner runs compiled, no copies ahead are made, the call's
 passes have been captured as CUDA graphs (the engine's Python path captures them on their
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from functools import cache
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from oled.offload import native
 from oled.offload.copies import (
     batching,
     check,
@@ -28,6 +28,7 @@ from oled.offload.copies import (
     runtime_function,
     runtime_memcpy_batch,
 )
+from oled.policies import native
 
 if TYPE_CHECKING:
     from oled.offload.engine import OffloadEngine
@@ -69,12 +70,32 @@ class Call(ctypes.Structure):
                 ("x_dev", _i), ("x_host", _i), ("x_bytes", _i)]  # fmt: skip
 
 
+def library() -> ctypes.CDLL:
+    """The compiled library (oled.policies.native) with drive.c's contract checked against
+    `Drive`, `Call` and `COUNTS`; NativeUnavailable when it cannot be had, a ContractError
+    when the contract does not hold."""
+    return _checked(native.library())
+
+
+@cache
+def _checked(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """drive.c's contract checked once per loaded library (a ContractError, not remembered,
+    when it does not hold), and its entry points declared."""
+    tables = {"counts": {name: i for i, name in enumerate(COUNTS)}}
+    native.check(lib, "drive", {"Drive": Drive, "Call": Call}, tables)
+    lib.oled_layer.restype = _i
+    lib.oled_layer.argtypes = [_p, _p, _i, _i, _i, ctypes.c_double, _i]
+    lib.oled_collect.restype = _i
+    lib.oled_collect.argtypes = [_p]
+    return lib
+
+
 def unsupported() -> str | None:
     """Why layer calls cannot launch from C on this machine (None when they can)."""
     if not torch.cuda.is_available():
         return "no CUDA device"
     try:
-        native.library()
+        library()
     except native.NativeUnavailable as e:
         return str(e)
     if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
@@ -103,36 +124,16 @@ class LayerDriver:
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = e = engine
-        self.lib = native.library()
+        self.lib = library()
         self.plan = e.planner.native
         L, E = e.store.num_layers, e.num_experts
-        if self.lib.oled_drive_counts() != len(COUNTS):
-            raise native.NativeUnavailable("drive.c and oled/offload/driver.py disagree")
         self.counts = np.zeros((L, len(COUNTS)), np.float64)
         self.events = (ctypes.c_void_p * EVENTS)()
         self.log = np.zeros((2 * EVENTS, 4), np.int64)
         self.batch_args = [(ctypes.c_void_p * (2 * E + 2))() for _ in range(2)]
         self.batch_sizes = (ctypes.c_size_t * (2 * E + 2))()
         self._tables = [np.zeros(L, np.int64) for _ in range(4)]  # src13, src2, cache13, cache2
-        d = self.drive = Drive(
-            memcpy_async=runtime_entry("cudaMemcpyAsync"),
-            record=runtime_entry("cudaEventRecord"),
-            wait=runtime_entry("cudaStreamWaitEvent"),
-            launch=runtime_entry("cudaGraphLaunch"),
-            create=runtime_entry("cudaEventCreate"),
-            elapsed=runtime_entry("cudaEventElapsedTime"),
-            copy=e.copy_stream.cuda_stream,
-            stage13=e._stage_rows.base[0], stage2=e._stage_rows.base[1],
-            size13=e._src_rows[0].size[0], size2=e._src_rows[0].size[1],
-            stage_capacity=e.planner.stage_capacity,
-            bind=ctypes.addressof(self.plan.bind), out=self.plan.out.ctypes.data,
-            maps_host=e._maps_host.data_ptr(), maps_dev=e._maps_dev.data_ptr(),
-            map_rows=e._maps_host.shape[1], num_experts=E,
-            events=ctypes.addressof(self.events), n_events=EVENTS,
-            log=self.log.ctypes.data, log_cap=len(self.log), counts=self.counts.ctypes.data,
-            srcs=ctypes.addressof(self.batch_args[0]), dsts=ctypes.addressof(self.batch_args[1]),
-            sizes=ctypes.addressof(self.batch_sizes),
-        )  # fmt: skip
+        d = self.drive = self._drive()
         d.src13, d.src2, d.cache13, d.cache2 = (t.ctypes.data for t in self._tables)
         for layer in range(L):
             self.bind_tables(layer)
@@ -146,6 +147,30 @@ class LayerDriver:
         self._stream = 0
         self._layer = self.lib.oled_layer
         self.launched = 0  # layer calls launched from C
+
+    def _drive(self) -> Drive:
+        """The Drive over the runtime's entry points, the engine's streams, stage and slot maps,
+        the plan's buffers and the driver's own."""
+        e, plan = self.engine, self.plan
+        return Drive(
+            memcpy_async=runtime_entry("cudaMemcpyAsync"),
+            record=runtime_entry("cudaEventRecord"),
+            wait=runtime_entry("cudaStreamWaitEvent"),
+            launch=runtime_entry("cudaGraphLaunch"),
+            create=runtime_entry("cudaEventCreate"),
+            elapsed=runtime_entry("cudaEventElapsedTime"),
+            copy=e.copy_stream.cuda_stream,
+            stage13=e.stage_rows.base[0], stage2=e.stage_rows.base[1],
+            size13=e.src_rows[0].size[0], size2=e.src_rows[0].size[1],
+            stage_capacity=e.planner.stage_capacity,
+            bind=ctypes.addressof(plan.bind), out=plan.out.ctypes.data,
+            maps_host=e.maps_host.data_ptr(), maps_dev=e.maps_dev.data_ptr(),
+            map_rows=e.maps_host.shape[1], num_experts=e.num_experts,
+            events=ctypes.addressof(self.events), n_events=EVENTS,
+            log=self.log.ctypes.data, log_cap=len(self.log), counts=self.counts.ctypes.data,
+            srcs=ctypes.addressof(self.batch_args[0]), dsts=ctypes.addressof(self.batch_args[1]),
+            sizes=ctypes.addressof(self.batch_sizes),
+        )  # fmt: skip
 
     def use_batches(self, on: bool) -> None:
         """Launch a copy of two or more experts in one cudaMemcpyBatchAsync call where the
@@ -163,7 +188,7 @@ class LayerDriver:
         """Point at the layer's expert sources and cache tables (after construction and
         resizes)."""
         e = self.engine
-        src, cache = e._src_rows[layer].base, e._cache_rows[layer].base
+        src, cache = e.src_rows[layer].base, e.cache_rows[layer].base
         for table, address in zip(self._tables, (*src, *cache), strict=True):
             table[layer] = address
 

@@ -11,9 +11,10 @@ table, the copied experts after their copy event; once all of that is queued, th
 CPU experts, and their results are added into the same [T, K, H] pair buffer before the top-k sum,
 so the summation order never depends on where a pair was computed.
 
-Static layer calls (the GPU passes captured as CUDA graphs) launch from C where they can
-(oled.offload.driver): the planner's C code plans and issues the same runtime calls in the same
-order; the Python path below is the reference and captures the graphs.
+The order of a layer call's runtime calls is oled.offload.launches', which the Python path below
+runs on the engine's streams. Static layer calls (the GPU passes captured as CUDA graphs) launch
+from C where they can (oled.offload.driver): the planner's C code plans and issues the same
+runtime calls in the same order; the Python path is the reference and captures the graphs.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from oled.model.model import MoERequest
 from oled.model.stages import annotating, stage
 from oled.offload.copies import Rows, launch, transfer
 from oled.offload.driver import COUNTS, LayerDriver, unavailable
+from oled.offload.launches import Launcher, launch_inputs, launch_passes, timed_copies
 from oled.offload.metrics import EngineMetrics
-from oled.offload.planner import COPIED, HIT, STAGED, LayerPlan, Planner, Resize
 from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, StepContext
+from oled.policies.planner import HIT, STAGED, LayerPlan, Planner, Resize
 
 
 class OffloadEngine(DecodeObserver):
@@ -65,17 +67,19 @@ class OffloadEngine(DecodeObserver):
         self.w2 = [self._table(c, 1, dtype) for c in planner.capacities]
         stage = planner.stage_capacity
         self.stage_w13, self.stage_w2 = self._table(stage, 0, dtype), self._table(stage, 1, dtype)
-        # views and addresses per expert / slot, made once (the hot path copies by row)
-        self._src_rows = [Rows.of(a, b) for a, b in zip(store.w13, store.w2, strict=True)]
-        self._cache_rows = [Rows.of(a, b) for a, b in zip(self.w13, self.w2, strict=True)]
-        self._stage_rows = Rows.of(self.stage_w13, self.stage_w2)
+        # views and addresses per expert / slot, made once (the hot path copies by row): each
+        # layer's expert sources on the host and its cache tables, and the stage's tables
+        self.src_rows = [Rows.of(a, b) for a, b in zip(store.w13, store.w2, strict=True)]
+        self.cache_rows = [Rows.of(a, b) for a, b in zip(self.w13, self.w2, strict=True)]
+        self.stage_rows = Rows.of(self.stage_w13, self.stage_w2)
         layers = store.num_layers
         rows = planner.slot_map_rows
-        self._maps_host = torch.full((layers, rows, self.num_experts), -1, dtype=torch.long)
+        # the layers' expert -> slot maps [L, rows, E] int64 (pinned), and their device copy
+        self.maps_host = torch.full((layers, rows, self.num_experts), -1, dtype=torch.long)
         if self.cuda:
-            self._maps_host = self._maps_host.pin_memory()
-        self._maps_dev = torch.full((layers, rows, self.num_experts), -1, device=device)
-        planner.attach_maps(self._maps_host.numpy())  # plans write the maps straight into it
+            self.maps_host = self.maps_host.pin_memory()
+        self.maps_dev = torch.full((layers, rows, self.num_experts), -1, device=device)
+        planner.attach_maps(self.maps_host.numpy())  # plans write the maps straight into it
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._stage_free: torch.cuda.Event | None = None
         self.metrics = EngineMetrics(layers)
@@ -116,7 +120,7 @@ class OffloadEngine(DecodeObserver):
             experts = cache.cached()
             if len(experts):
                 slots = cache.slot_of[experts].astype(np.int64)
-                self._launch_copies(layer, experts, slots, self._cache_rows[layer])
+                self._launch_copies(layer, experts, slots, self.cache_rows[layer])
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
@@ -170,30 +174,40 @@ class OffloadEngine(DecodeObserver):
         t1 = time.perf_counter()  # the layer's one sync is over
         self._routing[layer] = (ids_np, w_np)
         with stage("host decision"):
-            if into is not None and self.driver is not None and not annotating():
-                if self._stage_free is not None:  # C's launches wait for the stage's users
-                    self.driver.take_stage(self._stage_free)
-                    self._stage_free = None
-                if self.driver.run(layer, self._compute, ids_np, w_np):  # planned and launched
-                    return self._driven(layer, r, ids_np, w_np, into, (t0, t1))
-                plan = self.planner.native.unpack(layer)  # a pass not captured yet
-            else:
-                plan = self.planner.plan(layer, ids_np, w_np)  # queues empty: see _copy
+            plan = self._plan(layer, ids_np, w_np, into)
+            if plan is None:  # planned and launched from C
+                return self._driven(layer, r, ids_np, w_np, into, (t0, t1))
             t2 = time.perf_counter()
-            ready = self._copy(layer, plan)  # first: the copies are the longest path
-            if next_np is not None:
-                self._copy_ahead(layer + 1, next_np)
-            t3 = time.perf_counter()
-            cpu_job = self._cpu_job(layer, r.x, ids_np, w_np, plan)
-            maps = self._upload_maps(layer, plan)  # [rows, E] on the device
+            call = _PythonLaunch(self, r, into, next_np)
+            ready, cpu_ready = launch_inputs(call, layer, plan)  # copies first: the longest path
+            cpu_job = self._cpu_job(layer, call.x_host, ids_np, w_np, plan, cpu_ready)
         t4 = time.perf_counter()
         with stage("grouped GEMM"):
-            pairs = self._gpu_pairs(r, maps, plan, ready, into)  # [T, K, H] fp32
-        self._account(layer, plan, (t0, t1, t2, t3, t4, time.perf_counter()))
+            if self.driver is not None and len(plan.stage_experts):
+                self.driver.release_stage(self.copy_stream)  # the stage's users launched from C
+            launch_passes(call, layer, plan, ready)  # into call.pairs [T, K, H] fp32
+            self._stage_free = call.stage_free
+        self._account(layer, plan, (t0, t1, t2, call.launched, t4, time.perf_counter()))
         if cpu_job is not None:
             with stage("CPU experts"):
-                self._cpu_pairs(cpu_job, pairs, t2)
-        return pairs
+                self._cpu_pairs(cpu_job, call.pairs, t2)
+        return call.pairs
+
+    def _plan(
+        self, layer: int, ids_np: np.ndarray, w_np: np.ndarray, into: Tensor | None
+    ) -> LayerPlan | None:
+        """The layer's plan; None when drive.c planned and launched the call (static calls,
+        with a driver, while not profiling). The planner's `Load` is empty: the layer's passes
+        wait for its copies, the next layer's routing sync waits for those passes, and CPU
+        experts are computed within the call, so nothing is queued when a layer is planned."""
+        if into is None or self.driver is None or annotating():
+            return self.planner.plan(layer, ids_np, w_np)
+        if self._stage_free is not None:  # C's launches wait for the stage's users
+            self.driver.take_stage(self._stage_free)
+            self._stage_free = None
+        if self.driver.run(layer, self._compute, ids_np, w_np):
+            return None
+        return self.planner.native.unpack(layer)  # a pass not captured yet
 
     def _driven(
         self, layer: int, r: MoERequest, ids_np: np.ndarray, w_np: np.ndarray, into: Tensor,
@@ -205,7 +219,7 @@ class OffloadEngine(DecodeObserver):
         job, ready = None, self.driver.cpu_ready()
         if ready is not None:  # CPU experts: their activations are on the way
             plan = self.planner.native.unpack(layer)
-            job = self._cpu_job(layer, r.x, ids_np, w_np, plan, ready)
+            job = self._cpu_job(layer, self.pinned_activations(r.x), ids_np, w_np, plan, ready)
         t5 = time.perf_counter()
         self.metrics.add(layer, sync_ms=1000 * (t1 - t0), host_ms=1000 * (t5 - t1))
         if job is not None:
@@ -257,7 +271,7 @@ class OffloadEngine(DecodeObserver):
     def _predict(self, r: MoERequest, static: bool) -> Tensor | np.ndarray | None:
         """The next layer's predicted ids [T, K] int64 on the device, queued before the sync;
         None when not prefetching, at the last layer, or when the planner has no use for it
-        (oled.offload.planner.CopyAhead); on the host when the predictor has it there. In the
+        (oled.policies.planner.CopyAhead); on the host when the predictor has it there. In the
         static path the prediction replays as a CUDA graph from its second call (the first
         loads the router's kernels)."""
         if self.predict is None or r.layer + 1 >= len(self.w13):
@@ -275,37 +289,6 @@ class OffloadEngine(DecodeObserver):
             return out
         self.graphs.run((*key, "predict"), lambda: out.copy_(self.predict(r.layer, r.x)))
         return out
-
-    def _upload_maps(self, layer: int, plan: LayerPlan) -> Tensor:
-        """Send the expert -> slot maps that the plan wrote into the pinned buffer (rows HIT,
-        COPIED, STAGED + round; oled.offload.planner.write_maps) in one copy."""
-        dev, used = self._maps_dev[layer], plan.map_rows
-        transfer(dev[:used], self._maps_host[layer, :used], self._compute)
-        return dev
-
-    def _gpu_pairs(self, r: MoERequest, maps, plan, ready, into: Tensor | None) -> Tensor:
-        """Hits at once; experts copied now after their copy event; staged ones in rounds.
-        With a static `into`, every slot-table pass replays as a CUDA graph."""
-        static = into is not None and self.graphs is not None
-        tables = (self.w13[r.layer], self.w2[r.layer])
-        ahead, self._ahead[r.layer] = self._ahead[r.layer], None
-        if ahead is not None:  # hits may be experts copied ahead at the previous layer
-            self._wait(r.layer, ahead)
-        pairs = self._pass(r, HIT, maps, tables, into, static)
-        if len(plan.copy_experts):
-            if ready is not None:  # wait for this layer's copies only now, after the hits
-                self._wait(r.layer, ready)
-            self._pass(r, COPIED, maps, tables, pairs, static)
-        if len(plan.stage_experts):
-            self._staged(r, maps, plan, pairs, static)
-        return pairs
-
-    def _wait(self, layer: int, copied: torch.cuda.Event) -> None:
-        """The compute stream waits for copies' event; the wait is timed as the layer's stall."""
-        stream = self._compute
-        start = self._timing.record(stream)
-        stream.wait_event(copied)
-        self._events.append((layer, start, self._timing.record(stream)))
 
     def _pass(self, r: MoERequest, row: int, maps: Tensor, tables: tuple[Tensor, Tensor],
               into: Tensor | None, static: bool) -> Tensor:  # fmt: skip
@@ -328,79 +311,32 @@ class OffloadEngine(DecodeObserver):
             self.driver.learn(key, self.graphs.graphs[key])
         return into
 
-    def _staged(self, r: MoERequest, maps: Tensor, plan: LayerPlan, pairs: Tensor, static: bool):
-        """Experts that found no cache slot, through the stage in rounds of its capacity: each
-        round's copies wait until the stage's earlier users are done, its pass for the copies.
-        Every other pair of a pass is zero, so adding the rounds is exact."""
-        size = self.stage_w13.shape[0]
-        tables = (self.stage_w13, self.stage_w2)
-        for n, lo in enumerate(range(0, len(plan.stage_experts), size)):
-            experts, slots = plan.stage_experts[lo : lo + size], plan.stage_slots[lo : lo + size]
-            if self.driver is not None and n == 0:  # the stage's users launched from C
-                self.driver.release_stage(self.copy_stream)
-            if self.copy_stream is not None and self._stage_free is not None:
-                self.copy_stream.wait_event(self._stage_free)
-            # timed after the wait: copy time only
-            copied = self._timed_copies(r.layer, experts, slots, self._stage_rows)
-            if copied is not None:
-                self._wait(r.layer, copied)
-            self._pass(r, STAGED + n, maps, tables, pairs, static)
-            self._stage_free = self._timing.record(self._compute)
-
-    def _copy(self, layer: int, plan: LayerPlan) -> torch.cuda.Event | None:
-        """Launch the copies into cache slots on the copy stream; the event they complete
-        (None without copies or without a stream: on the CPU copies are synchronous). The
-        layer's passes wait for this event and for every staged round's copies, and the next
-        layer's routing sync waits for those passes, so no copy (and no CPU expert, computed
-        within the call) is still queued when the next layer is planned: the planner's `Load`
-        is empty."""
-        if not len(plan.copy_experts):
-            return None
-        return self._timed_copies(
-            layer, plan.copy_experts, plan.copy_slots, self._cache_rows[layer]
-        )
-
-    def _copy_ahead(self, layer: int, predicted: np.ndarray) -> None:
+    def _copy_ahead(self, rt: Launcher, layer: int, predicted: np.ndarray) -> None:
         """Copy into `layer`'s cache what its predicted routing [T, K] names and the cache lacks
-        (Planner.prefetch), after the current layer's copies; `layer`'s passes wait for them."""
+        (Planner.prefetch), after the current layer's copies (through that call's `rt`);
+        `layer`'s passes wait for them."""
         experts, slots = self.planner.prefetch(layer, predicted)
         if not len(experts):
             return
-        self._ahead[layer] = self._timed_copies(layer, experts, slots, self._cache_rows[layer])
+        self._ahead[layer] = timed_copies(rt, layer, experts, slots, stage=False)
         n = len(experts)
         self.metrics.add(layer, copies=n, copy_bytes=n * self.store.expert_bytes, predicted=n)
-
-    def _timed_copies(self, layer: int, experts, slots, rows: Rows) -> torch.cuda.Event | None:
-        """Launch the copies of `experts` into `slots` of `rows`, timed as the layer's copy
-        time; the event they complete (None on the CPU, where copies are synchronous)."""
-        begin = self._timing.record(self.copy_stream)
-        self._launch_copies(layer, experts, slots, rows)
-        done = self._timing.record(self.copy_stream)
-        if begin is not None:
-            self._events.append((layer, begin, done, "copy"))
-        return done
 
     def _launch_copies(self, layer: int, experts, slots, rows: Rows) -> None:
         """One copy per tensor of each expert, host (pinned) -> slot rows of `rows` (a w13
         table and its w2 table), on the copy stream (oled.offload.copies)."""
         with stage("copies"):
-            launch(self._src_rows[layer], rows, experts, slots, self.copy_stream)
+            launch(self.src_rows[layer], rows, experts, slots, self.copy_stream)
 
-    def _cpu_job(self, layer, x, ids_np, w_np, plan, copied=None) -> CpuJob | None:
-        """This layer's CPU experts, their activations on the way to pinned host memory without
-        a sync (the host waits for the copy's event only when it computes them); `copied`: the
-        event of a copy already launched (from C)."""
+    def _cpu_job(self, layer, x_host, ids_np, w_np, plan, copied) -> CpuJob | None:
+        """This layer's CPU experts over activations `x_host` [T, H]: on their way to pinned host
+        memory (sent by launch_inputs or from C) until the `copied` event, or on the CPU the
+        layer's x itself (`copied` None)."""
         if not len(plan.cpu_experts):
             return None
         on_cpu = np.zeros(self.num_experts, bool)
         on_cpu[plan.cpu_experts] = True
         slots = torch.from_numpy(np.where(on_cpu[ids_np], ids_np, -1))  # [T, K]
-        x_host = x  # [T, H]
-        if self.cuda:
-            x_host = self.pinned_activations(x)
-            if copied is None:
-                x_host.copy_(x, non_blocking=True)
-                copied = self._timing.record(self._compute)
         return CpuJob(layer, x_host, slots, torch.from_numpy(w_np), copied, plan.cpu_tokens)
 
     def pinned_activations(self, x: Tensor) -> Tensor:
@@ -497,7 +433,7 @@ class OffloadEngine(DecodeObserver):
                 keep = torch.from_numpy(r.keep.astype(np.int64)).to(self.device)
                 new[keep[:, 1]] = old[keep[:, 0]]
             tables[r.layer] = new
-        self._cache_rows[r.layer] = Rows.of(self.w13[r.layer], self.w2[r.layer])
+        self.cache_rows[r.layer] = Rows.of(self.w13[r.layer], self.w2[r.layer])
         if self.driver is not None:
             self.driver.bind_tables(r.layer)
 
@@ -517,6 +453,67 @@ class OffloadEngine(DecodeObserver):
         self._stage_free = None  # both streams are idle: the stage is free
         self._ahead = [None] * len(self._ahead)
         self._timing.recycle()
+
+
+class _PythonLaunch:
+    """The engine's side of one layer call launched from Python (launches.Launcher): the
+    engine's streams, timing events and tables; the request and its pairs [T, K, H] fp32."""
+
+    __slots__ = ("engine", "r", "pairs", "static", "next_np", "compute", "copy",
+                 "stage_capacity", "ahead", "stage_free", "maps", "x_host", "launched")  # fmt: skip
+
+    def __init__(
+        self, engine: OffloadEngine, r: MoERequest, into: Tensor | None, next_np: np.ndarray | None
+    ) -> None:
+        """`into`: the static pairs (the passes replay as graphs) or None (eager: the hits'
+        pass makes the pairs); `next_np`: the next layer's predicted ids [T, K] (copies ahead)
+        or None."""
+        self.engine = e = engine
+        self.r, self.pairs, self.next_np = r, into, next_np
+        self.static = into is not None and e.graphs is not None
+        self.compute, self.copy = e._compute, e.copy_stream
+        self.stage_capacity = e.planner.stage_capacity
+        self.ahead, e._ahead[r.layer] = e._ahead[r.layer], None
+        self.stage_free = e._stage_free  # the engine takes it back after the passes
+        self.maps: Tensor | None = None  # the layer's slot maps on the device [rows, E]
+        self.x_host = r.x  # [T, H]; pinned once the activations are sent on CUDA
+        self.launched = 0.0  # the clock once the copies (and the copies ahead) are issued
+
+    def record(self, stream) -> torch.cuda.Event | None:
+        return self.engine._timing.record(stream)
+
+    def wait(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def timed(self, layer: int, start, end, copy: bool) -> None:
+        if start is not None:  # read in on_iteration (without streams nothing is timed)
+            self.engine._events.append((layer, start, end, "copy") if copy else (layer, start, end))
+
+    def copy_rows(self, layer: int, experts, slots, stage: bool) -> None:
+        e = self.engine
+        e._launch_copies(layer, experts, slots, e.stage_rows if stage else e.cache_rows[layer])
+
+    def copies_issued(self, layer: int) -> None:
+        if self.next_np is not None:
+            self.engine._copy_ahead(self, layer + 1, self.next_np)
+        self.launched = time.perf_counter()
+
+    def activations(self) -> None:
+        e, x = self.engine, self.r.x
+        if e.cuda:  # else the CPU experts read x itself
+            self.x_host = e.pinned_activations(x)
+            self.x_host.copy_(x, non_blocking=True)
+
+    def send_maps(self, layer: int, rows: int) -> None:
+        """The rows the plan wrote into the pinned maps (rows HIT, COPIED, STAGED + round;
+        oled.policies.planner.write_maps), in one copy."""
+        self.maps = self.engine.maps_dev[layer]
+        transfer(self.maps[:rows], self.engine.maps_host[layer, :rows], self.compute)
+
+    def run_pass(self, row: int) -> None:
+        e, layer = self.engine, self.r.layer
+        tables = (e.stage_w13, e.stage_w2) if row >= STAGED else (e.w13[layer], e.w2[layer])
+        self.pairs = e._pass(self.r, row, self.maps, tables, self.pairs, self.static)
 
 
 @dataclass

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from oled.decoding.observers import DecodeObserver
+from oled.decoding.trace_file import Trace
 from oled.model.model import LLaDA2Model
-from oled.trace.format import Trace
 
 
 class NextLayerRouting:

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from oled.decoding import DecodeConfig
-from oled.launch import stats_dict
-from oled.runtime import Runtime
+from oled.runtime import Runtime, stats_dict
 from oled.serve.metrics import Metrics
 
 log = logging.getLogger("oled.serve")

@@ -9,78 +9,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from oled.decoding.observers import DecodeObserver, IterationInfo
+from oled.options import DECODING
 
 trace_app = typer.Typer(help="Record routing traces.", no_args_is_help=True)
 console = Console(highlight=False, soft_wrap=True)
-
-
-class _StepRecorder(DecodeObserver):
-    """Hands every iteration's token states to the trace recorder."""
-
-    def __init__(self, recorder) -> None:
-        self.recorder = recorder
-
-    def on_generation_start(self, prompt_length: int) -> None:
-        self.recorder.new_prompt()
-
-    def on_iteration(self, info: IterationInfo) -> None:
-        from oled.offload.engine import step_context
-
-        self.recorder.record_step(step_context(info))
-
-
-def recording(runtime):
-    """A recorder for `runtime`'s model and the two hooks that feed it.
-
-    Returns (recorder, observer, remove): pass `observer` to `Runtime.stream`; call `remove()`
-    to detach the routing hook.
-    """
-    from oled.trace.recorder import TraceRecorder
-
-    cfg = runtime.config
-    recorder = TraceRecorder(
-        num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,
-        top_k=cfg.num_experts_per_tok, expert_bytes=runtime.checkpoint.experts.expert_bytes,
-        hidden_size=cfg.hidden_size, model_path=str(runtime.checkpoint.path),
-    )  # fmt: skip
-
-    def hook(layer, ids, weights) -> None:
-        recorder.record_routing(layer, ids.cpu().numpy(), weights.float().cpu().numpy())
-
-    return recorder, _StepRecorder(recorder), runtime.model.add_routing_hook(hook)
-
-
-def record(runtime, prompt_ids: list[list[int]], *, decode=None, follow=None):
-    """Decode each prompt with `runtime` (its decode settings unless `decode`; committing
-    `follow`'s tokens if given), recording per forward and MoE layer the routing: the Trace."""
-    recorder, observer, remove = recording(runtime)
-    try:
-        for ids in prompt_ids:
-            for _ in runtime.stream(ids, decode=decode, observers=[observer], follow=follow):
-                pass
-    finally:
-        remove()
-    return recorder.build()
-
-
-def record_replay(runtime, trace, prompts=None):
-    """Replay `trace`'s prompts (indices; all by default) on `runtime` (Runtime.replay),
-    recording what the runtime routed, committed and reported: the Trace (the replayed one,
-    row for row, with weights at the recorder's precision)."""
-    recorder, observer, remove = recording(runtime)
-    try:
-        for index in range(len(runtime.routing_replay(trace))) if prompts is None else prompts:
-            runtime.replay(trace, index, observers=[observer])
-    finally:
-        remove()
-    return recorder.build()
-
-
-def record_trace(runtime, prompt_ids: list[list[int]], out: Path) -> Path:
-    """`record` the prompts' routing into the trace file `out`."""
-    record(runtime, prompt_ids).save(out)
-    return out
 
 
 @trace_app.command("record")
@@ -90,14 +22,15 @@ def trace_record(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
 ) -> None:
     """Decode the recipe's workload and store its routing, confidences and decode states."""
-    from oled.experiment.build import build
     from oled.options import user_errors
     from oled.recipe import load_recipe
+    from oled.runtime import build
 
     @user_errors
     def go() -> None:
+        from oled.decoding.trace_file import Trace
         from oled.experiment.run import load_workload
-        from oled.trace.format import Trace
+        from oled.trace.record import record_replay, record_trace
 
         r = load_recipe(recipe, set_ or [])
         work = load_workload(r)  # a trace routing: record its replay on this model
@@ -124,12 +57,12 @@ def trace_stats_cmd(
     ] = None,
     block_length: Annotated[
         int, typer.Option(help="Block length the traces were decoded with.")
-    ] = 32,
+    ] = DECODING.block_length,
 ) -> None:
     """Routing statistics: distinct experts per forward, overlap between forwards, route
     stability and expert reuse by token state, load skew (one column per trace)."""
+    from oled.decoding.trace_file import Trace
     from oled.options import user_errors
-    from oled.trace.format import Trace
     from oled.trace.stats import column_names, stats_table, trace_stats, write_json
 
     @user_errors
@@ -146,44 +79,6 @@ def trace_stats_cmd(
     go()
 
 
-def simulate_recipe(trace, recipe, *, profile: str | None = None):
-    """Replay `trace` through a recipe's policies and budget: (SimResult, Belady bound)."""
-    from oled import registry as reg
-    from oled.experiment.build import build_policy
-    from oled.policies import with_oled_defaults
-    from oled.policies.base import CostModel
-    from oled.trace.simulate import belady_bypass, simulate
-
-    slots = trace_slots(trace, recipe.runtime.budget)
-    cost_name = profile or recipe.runtime.cost
-    if cost_name == "calibrate":
-        raise ValueError("simulation needs a named cost profile: --profile h200 or cpu-ci")
-    policies = {kind: build_policy(kind, getattr(recipe.policy, kind)) for kind in reg.POLICY_KINDS}
-    result = simulate(
-        trace, total_slots=slots, cost=CostModel.profile(cost_name),
-        stage_capacity=recipe.runtime.stage_capacity or 8, **with_oled_defaults(**policies),
-    )  # fmt: skip
-    bound = belady_bypass(trace, result.capacity_history)
-    return result, bound
-
-
-def trace_slots(trace, budget) -> int:
-    """Total expert slots of a recipe budget for the traced model's shape."""
-    layers, experts = trace.meta.num_moe_layers, trace.meta.num_experts
-    if budget.expert_fraction is not None:
-        slots = round(budget.expert_fraction * layers * experts)
-    elif budget.expert_budget is not None:
-        slots = int(budget.expert_budget)
-    else:
-        raise ValueError(
-            "simulation needs the budget as expert_fraction or expert_budget (the trace has no "
-            "device memory to fit)"
-        )
-    if slots < layers:
-        raise ValueError(f"budget of {slots} slots is below one per MoE layer ({layers})")
-    return min(slots, layers * experts)
-
-
 def simulate_cmd(
     trace_file: Annotated[Path, typer.Argument(help="A trace from `oled trace record`.")],
     recipe: Annotated[Path, typer.Option(help="Recipe whose budget and policies to replay.")],
@@ -196,9 +91,10 @@ def simulate_cmd(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
 ) -> None:
     """Replay a trace through policies; hit rates and modelled latency beside the Belady bound."""
+    from oled.decoding.trace_file import Trace
     from oled.options import user_errors
     from oled.recipe import load_recipe
-    from oled.trace.format import Trace
+    from oled.trace.simulate import simulate_recipe
 
     @user_errors
     def go() -> None:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from oled.offload.planner import LayerPlan, Planner
+from oled.decoding.trace_file import Trace
 from oled.policies.base import (
     AllocationPolicy,
     CompensationPolicy,
@@ -22,7 +22,7 @@ from oled.policies.base import (
     Load,
     RetentionPolicy,
 )
-from oled.trace.format import Trace
+from oled.policies.planner import LayerPlan, Planner
 
 
 @dataclass
@@ -90,17 +90,10 @@ def simulate(
 ) -> SimResult:
     """Replay `trace` through a fresh Planner built from these policy objects."""
     m = trace.meta
-    planner = Planner(
-        num_layers=m.num_moe_layers,
-        num_experts=m.num_experts,
-        top_k=m.top_k,
-        total_slots=total_slots,
-        stage_capacity=stage_capacity,
-        allocation=allocation,
-        retention=retention,
-        compensation=compensation,
-        cost=cost,
-    )
+    planner = Planner.for_model(
+        m.num_moe_layers, m.num_experts, m.top_k, total_slots, stage_capacity=stage_capacity,
+        cost=cost, allocation=allocation, retention=retention, compensation=compensation,
+    )  # fmt: skip
     step_ms = np.zeros(trace.num_steps)
     history = np.zeros((trace.num_steps, m.num_moe_layers), np.int64)
     clock = _Clock()
@@ -233,3 +226,31 @@ def belady_bypass(trace: Trace, capacities: list[int] | np.ndarray) -> float:
         hits += belady_layer(experts, steps, cap)
         total += len(experts)
     return hits / max(1, total)
+
+
+def simulate_recipe(trace, recipe, *, profile: str | None = None):
+    """Replay `trace` through a recipe's policies and budget (the runtime's budget kinds that
+    count slots, sized for the traced model's shape; the recipe's stage capacity): (SimResult,
+    Belady bound)."""
+    from oled.offload.budget import Budget, shape_slots
+    from oled.policies import with_oled_defaults
+    from oled.policies.base import CostModel
+    from oled.trace.simulate import belady_bypass, simulate
+
+    meta = trace.meta
+    try:
+        slots = shape_slots(
+            Budget(*recipe.runtime.budget.choice()), meta.num_moe_layers, meta.num_experts
+        )
+    except ValueError as exc:
+        raise ValueError(f"simulation: {exc}") from None
+    cost_name = profile or recipe.runtime.cost
+    if cost_name == "calibrate":
+        raise ValueError("simulation needs a named cost profile: --profile h200 or cpu-ci")
+    result = simulate(
+        trace, total_slots=slots, cost=CostModel.profile(cost_name),
+        stage_capacity=recipe.runtime.stage_capacity,
+        **with_oled_defaults(**recipe.policy.build()),
+    )  # fmt: skip
+    bound = belady_bypass(trace, result.capacity_history)
+    return result, bound

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from oled.decoding.trace_file import Trace
 from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
-from oled.trace.format import Trace
 
 CONF_EDGES = (0.3, 0.6, 0.9)
 GROUPS = ("masked <0.3", "masked 0.3-0.6", "masked 0.6-0.9", "masked >=0.9", "committed", "fixed")
@@ -118,174 +119,251 @@ def _check(trace: Trace, block_length: int, name: str) -> np.ndarray:
     return rows
 
 
-def trace_stats(
-    trace: Trace, *, block_length: int = DEFAULT_BLOCK_LENGTH, name: str = "trace"
-) -> dict[str, Any]:
-    """Routing statistics of one trace (see the module docstring): a JSON-ready dict."""
-    rows = _check(trace, block_length, name)
-    m = trace.meta
-    L, E, K, S = m.num_moe_layers, m.num_experts, m.top_k, trace.num_steps
-    R = trace.token_state.shape[0]
-    G = len(GROUPS)
-    ids = trace.ids.astype(np.int64)  # [L, R, K]
-    weights = trace.weights.astype(np.float64)
-    state = trace.token_state
-    conf = trace.confidence.astype(np.float64)
-    block = np.asarray(trace.block)
-    iteration = np.asarray(trace.iteration)
+@dataclass(frozen=True)
+class _Layout:
+    """Where every row and forward of a trace sits (see the module docstring)."""
 
-    # layout
+    rows: np.ndarray  # [S] rows per forward
+    step_of_row: np.ndarray  # [R] the forward of each row
+    block_row: np.ndarray  # [R] among its forward's last `block_length` rows
+    prompt_fwd: np.ndarray  # [S] a prompt's first forward
+    decode: np.ndarray  # [S] any other forward
+    new_prompt: np.ndarray  # [S] starts a prompt
+    prompt: np.ndarray  # [S] prompt index
+    block: np.ndarray  # [S] block index
+    iteration: np.ndarray  # [S] iteration within the block
+    group: np.ndarray  # [R] index into GROUPS of a block row, -1 for the others
+
+
+def _layout(trace: Trace, rows: np.ndarray, block_length: int, name: str) -> _Layout:
+    """The layout of a checked trace; ValueError if rows before the block are not fixed."""
+    S, R = trace.num_steps, trace.token_state.shape[0]
     step_of_row = np.repeat(np.arange(S), rows)
     ends = np.asarray(trace.row_offsets[1:], np.int64)
     block_row = np.arange(R) >= (ends - block_length)[step_of_row]
-    prompt_fwd = np.asarray(trace.step) == 0
-    decode = ~prompt_fwd
-    new_prompt = prompt_fwd.copy()
-    if S:
-        new_prompt[0] = True
-    prompt = np.cumsum(new_prompt) - 1
-    stray = ~block_row & (state != TOKEN_FIXED)
+    stray = ~block_row & (trace.token_state != TOKEN_FIXED)
     if stray.any():
         raise ValueError(
             f"{name}: {int(stray.sum())} rows before the last {block_length} of their forward "
             f"are not fixed: is the block length {block_length}? (set --block-length)"
         )
-    group = np.full(R, -1, np.int64)
+    prompt_fwd = np.asarray(trace.step) == 0
+    new_prompt = prompt_fwd.copy()
+    if S:
+        new_prompt[0] = True
+    return _Layout(
+        rows=rows,
+        step_of_row=step_of_row,
+        block_row=block_row,
+        prompt_fwd=prompt_fwd,
+        decode=~prompt_fwd,
+        new_prompt=new_prompt,
+        prompt=np.cumsum(new_prompt) - 1,
+        block=np.asarray(trace.block),
+        iteration=np.asarray(trace.iteration),
+        group=_groups(trace, block_row),
+    )
+
+
+def _groups(trace: Trace, block_row: np.ndarray) -> np.ndarray:
+    """[R] index into GROUPS of each block row by its state (and confidence), -1 elsewhere."""
+    state = trace.token_state
+    conf = trace.confidence.astype(np.float64)
+    group = np.full(state.shape[0], -1, np.int64)
     masked = block_row & (state == TOKEN_MASKED)
     group[masked] = np.digitize(conf[masked], CONF_EDGES)
     group[block_row & (state == TOKEN_COMMITTED)] = 4
     group[block_row & (state == TOKEN_FIXED)] = 5
+    return group
 
-    p_block = _presence(ids, step_of_row, block_row, S, E)
-    p_all = _presence(ids, step_of_row, np.ones(R, bool), S, E)
-    d_block = p_block.sum(-1)  # [L, S]
-    d_all = p_all.sum(-1)
 
-    # 1. distinct experts
-    def p90(d: np.ndarray) -> np.ndarray:
-        if not decode.any():
-            return np.full(L, np.nan)
-        return np.percentile(d[:, decode], 90, axis=1)
+def _col_p90(x: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """90th percentile of x [L, S] over the selected columns: [L], NaN if none is."""
+    if not cols.any():
+        return np.full(x.shape[0], np.nan)
+    return np.percentile(x[:, cols], 90, axis=1)
 
-    distinct = {
-        "block": {"mean": _fig(_col_mean(d_block, decode)), "p90": _fig(p90(d_block))},
-        "all_rows": {"mean": _fig(_col_mean(d_all, decode)), "p90": _fig(p90(d_all))},
-        "block_first_iteration": _fig(_col_mean(d_block, decode & (iteration == 0))),
-        "block_later_iterations": _fig(_col_mean(d_block, decode & (iteration > 0))),
-        "prompt_forward_block": _fig(_col_mean(d_block, prompt_fwd)),
-        "prompt_forward_all_rows": _fig(_col_mean(d_all, prompt_fwd)),
+
+def _distinct_experts(lay: _Layout, d_block: np.ndarray, d_all: np.ndarray) -> dict[str, Any]:
+    """Set sizes per forward, block rows d_block [L, S] and all rows d_all [L, S]."""
+    decode, first = lay.decode, lay.decode & (lay.iteration == 0)
+    return {
+        "block": {"mean": _fig(_col_mean(d_block, decode)), "p90": _fig(_col_p90(d_block, decode))},
+        "all_rows": {"mean": _fig(_col_mean(d_all, decode)), "p90": _fig(_col_p90(d_all, decode))},
+        "block_first_iteration": _fig(_col_mean(d_block, first)),
+        "block_later_iterations": _fig(_col_mean(d_block, decode & (lay.iteration > 0))),
+        "prompt_forward_block": _fig(_col_mean(d_block, lay.prompt_fwd)),
+        "prompt_forward_all_rows": _fig(_col_mean(d_all, lay.prompt_fwd)),
     }
 
-    # 2. tokens per forward
-    commits = np.bincount(step_of_row[block_row & (state == TOKEN_COMMITTED)], minlength=S)
-    tokens = {
-        "decode": _num(commits[decode].mean()) if decode.any() else None,
+
+def _tokens_per_forward(lay: _Layout, state: np.ndarray) -> dict[str, float | None]:
+    """Commits per decode step and per forward (every forward)."""
+    S = len(lay.rows)
+    committed = lay.block_row & (state == TOKEN_COMMITTED)  # [R]
+    commits = np.bincount(lay.step_of_row[committed], minlength=S)  # [S]
+    return {
+        "decode": _num(commits[lay.decode].mean()) if lay.decode.any() else None,
         "all_forwards": _num(commits.sum() / S) if S else None,
     }
 
-    # 3. overlap of all-rows sets at distance d
+
+def _distance_pairs(lay: _Layout, d: int) -> list[tuple[str, np.ndarray]]:
+    """First steps [P] of decode-step pairs (s, s + d) of one prompt, within and across blocks."""
+    if len(lay.rows) > d:
+        ok = lay.decode[:-d] & lay.decode[d:] & (lay.prompt[:-d] == lay.prompt[d:])
+        same = lay.block[:-d] == lay.block[d:]
+    else:
+        ok = same = np.zeros(0, bool)
+    return [
+        ("within_block", np.flatnonzero(ok & same)),
+        ("across_block", np.flatnonzero(ok & ~same)),
+    ]
+
+
+def _overlap(lay: _Layout, p_all: np.ndarray) -> dict[str, dict[str, Any]]:
+    """Jaccard and reuse of all-rows sets p_all [L, S, E] at distance 1..MAX_DISTANCE."""
+    d_all = p_all.sum(-1)  # [L, S]
     overlap: dict[str, dict[str, Any]] = {"jaccard": {}, "reuse": {}, "pairs": {}}
     for where in ("within_block", "across_block"):
         for key in overlap:
             overlap[key][where] = {}
     for d in range(1, MAX_DISTANCE + 1):
-        if S > d:
-            ok = decode[:-d] & decode[d:] & (prompt[:-d] == prompt[d:])
-            same = block[:-d] == block[d:]
-        else:
-            ok = same = np.zeros(0, bool)
-        for where, sel in (("within_block", ok & same), ("across_block", ok & ~same)):
-            i = np.flatnonzero(sel)
+        for where, i in _distance_pairs(lay, d):
             inter = (p_all[:, i] & p_all[:, i + d]).sum(-1)  # [L, P]
-            na, nb = d_all[:, i], d_all[:, i + d]
+            na, nb = d_all[:, i], d_all[:, i + d]  # [L, P]
             every = np.ones(len(i), bool)
             overlap["jaccard"][where][str(d)] = _fig(_col_mean(inter / (na + nb - inter), every))
             overlap["reuse"][where][str(d)] = _fig(_col_mean(inter / nb, every))
             overlap["pairs"][where][str(d)] = len(i)
+    return overlap
 
-    # 4. route stability and 6. reuse by state: block rows whose next forward is the same block's
+
+def _next_rows(lay: _Layout) -> tuple[np.ndarray, np.ndarray]:
+    """Block rows r [N] whose next forward is the same block's, and their rows there r2 [N]."""
+    S = len(lay.rows)
     nxt = np.zeros(S, bool)
     if S > 1:
-        nxt[:-1] = decode[:-1] & (prompt[:-1] == prompt[1:]) & (block[:-1] == block[1:])
-    r = np.flatnonzero(block_row & nxt[step_of_row] & (group >= 0))
-    s = step_of_row[r]
-    r2 = r + rows[np.minimum(s + 1, S - 1)]  # the same block position at s + 1
-    g = group[r]
-    kept = np.empty((L, len(r)))
+        nxt[:-1] = lay.decode[:-1] & (lay.prompt[:-1] == lay.prompt[1:])
+        nxt[:-1] &= lay.block[:-1] == lay.block[1:]
+    r = np.flatnonzero(lay.block_row & nxt[lay.step_of_row] & (lay.group >= 0))
+    s = lay.step_of_row[r]
+    r2 = r + lay.rows[np.minimum(s + 1, S - 1)]  # the same block position at s + 1
+    return r, r2
+
+
+def _route_stability(ids: np.ndarray, lay: _Layout, r: np.ndarray, r2: np.ndarray) -> dict:
+    """Per group: fraction of row r's K routed ids [L, R, K] that row r2 also names."""
+    L, G = ids.shape[0], len(GROUPS)
+    g = lay.group[r]  # [N]
+    kept = np.empty((L, len(r)))  # [L, N]
     for layer in range(L):  # [N, K, K] comparisons, one layer at a time
         a, b = ids[layer, r], ids[layer, r2]
         kept[layer] = (a[:, :, None] == b[:, None, :]).any(-1).mean(-1)
-    count = np.bincount(g, minlength=G)
-    kept_g = _ratio(_group_sum(kept, g, G), count[None, :])
+    count = np.bincount(g, minlength=G)  # [G]
+    kept_g = _ratio(_group_sum(kept, g, G), count[None, :])  # [L, G]
+    return {n: {"kept": _fig(kept_g[:, j]), "rows": int(count[j])} for j, n in enumerate(GROUPS)}
+
+
+def _reuse_by_state(
+    ids: np.ndarray, weights: np.ndarray, p_all: np.ndarray, lay: _Layout, r: np.ndarray
+) -> dict:
+    """Per group: fraction of row r's (row, expert) pairs in the all-rows set p_all of s + 1."""
+    L, S, E = p_all.shape
+    K, G = ids.shape[2], len(GROUPS)
+    s, g = lay.step_of_row[r], lay.group[r]  # [N]
+    count = np.bincount(g, minlength=G)  # [G]
     lidx = np.arange(L)[:, None, None]
     used = p_all.reshape(-1)[((lidx * S + (s + 1)[None, :, None]) * E + ids[:, r]).ravel()]
     used = used.reshape(L, len(r), K)
-    w = weights[:, r]
-    reuse_g = _ratio(_group_sum(used.sum(-1), g, G), K * count[None, :])
+    w = weights[:, r]  # [L, N, K]
+    reuse_g = _ratio(_group_sum(used.sum(-1), g, G), K * count[None, :])  # [L, G]
     wreuse_g = _ratio(_group_sum((w * used).sum(-1), g, G), _group_sum(w.sum(-1), g, G))
-    q = np.flatnonzero(block_row & decode[step_of_row] & (group >= 0))
-    gq = group[q]
-    count_q = np.bincount(gq, minlength=G)
-    wq = weights[:, q]
-    mean_w = _ratio(_group_sum(wq.sum(-1), gq, G), K * count_q[None, :])
-    top1_w = _ratio(_group_sum(wq.max(-1, initial=0.0), gq, G), count_q[None, :])
-    stability = {
-        n: {"kept": _fig(kept_g[:, j]), "rows": int(count[j])} for j, n in enumerate(GROUPS)
-    }
-    by_state = {
+    return {
         n: {"reuse": _fig(reuse_g[:, j]), "weighted_reuse": _fig(wreuse_g[:, j]),
             "pairs": int(count[j]) * K}
         for j, n in enumerate(GROUPS)
     }  # fmt: skip
-    gate = {
+
+
+def _gate_weight(weights: np.ndarray, lay: _Layout) -> dict:
+    """Per group: mean gate weight [L, R, K] of a pair and mean top-1 weight, decode block rows."""
+    K, G = weights.shape[2], len(GROUPS)
+    q = np.flatnonzero(lay.block_row & lay.decode[lay.step_of_row] & (lay.group >= 0))
+    gq = lay.group[q]  # [Q]
+    count_q = np.bincount(gq, minlength=G)  # [G]
+    wq = weights[:, q]  # [L, Q, K]
+    mean_w = _ratio(_group_sum(wq.sum(-1), gq, G), K * count_q[None, :])  # [L, G]
+    top1_w = _ratio(_group_sum(wq.max(-1, initial=0.0), gq, G), count_q[None, :])  # [L, G]
+    return {
         n: {"mean": _fig(mean_w[:, j]), "top1": _fig(top1_w[:, j]), "rows": int(count_q[j])}
         for j, n in enumerate(GROUPS)
     }
 
-    # 5. skew
-    load = np.bincount((np.arange(L)[:, None, None] * E + ids).ravel(), minlength=L * E).reshape(
-        L, E
-    )
-    total = load.sum(1)
+
+def _skew(ids: np.ndarray, experts: int) -> dict[str, Any]:
+    """Load skew per layer over every routed (row, expert) pair of ids [L, R, K]."""
+    L, E = ids.shape[0], experts
+    flat = (np.arange(L)[:, None, None] * E + ids).ravel()
+    load = np.bincount(flat, minlength=L * E).reshape(L, E)  # [L, E]
+    total = load.sum(1)  # [L]
     top = max(1, math.ceil(TOP_SHARE * E))
-    top_load = -np.sort(-load, axis=1)[:, :top].sum(1)
-    unused = (load == 0).sum(1)
-    skew = {
+    top_load = -np.sort(-load, axis=1)[:, :top].sum(1)  # [L]
+    unused = (load == 0).sum(1)  # [L]
+    return {
         "top10_share": _fig(_ratio(top_load, total)),
         "load_cv": _fig(_ratio(load.std(1), load.mean(1))),
         "unused_experts": _fig(unused),
         "unused_total": int(unused.sum()),
     }
 
-    # 7. size
-    new_block = new_prompt.copy()
+
+def _size(trace: Trace, lay: _Layout) -> dict[str, Any]:
+    """Counts of prompts, forwards, blocks and rows, and the model's shape."""
+    m = trace.meta
+    S = len(lay.rows)
+    new_block = lay.new_prompt.copy()  # [S]
     if S > 1:
-        new_block[1:] |= block[1:] != block[:-1]
-    size = {
-        "prompts": int(new_prompt.sum()),
+        new_block[1:] |= lay.block[1:] != lay.block[:-1]
+    return {
+        "prompts": int(lay.new_prompt.sum()),
         "prompts_recorded": m.prompt_count,
         "forwards": S,
-        "decode_forwards": int(decode.sum()),
-        "prompt_forwards": int(prompt_fwd.sum()),
+        "decode_forwards": int(lay.decode.sum()),
+        "prompt_forwards": int(lay.prompt_fwd.sum()),
         "blocks": int(new_block.sum()),
-        "rows": R,
-        "decode_rows": int(rows[decode].sum()),
-        "moe_layers": L,
-        "experts": E,
-        "top_k": K,
+        "rows": trace.token_state.shape[0],
+        "decode_rows": int(lay.rows[lay.decode].sum()),
+        "moe_layers": m.num_moe_layers,
+        "experts": m.num_experts,
+        "top_k": m.top_k,
     }
+
+
+def trace_stats(
+    trace: Trace, *, block_length: int = DEFAULT_BLOCK_LENGTH, name: str = "trace"
+) -> dict[str, Any]:
+    """Routing statistics of one trace (see the module docstring): a JSON-ready dict."""
+    rows = _check(trace, block_length, name)
+    lay = _layout(trace, rows, block_length, name)
+    S, R, E = trace.num_steps, trace.token_state.shape[0], trace.meta.num_experts
+    ids = trace.ids.astype(np.int64)  # [L, R, K]
+    weights = trace.weights.astype(np.float64)  # [L, R, K]
+    p_block = _presence(ids, lay.step_of_row, lay.block_row, S, E)  # [L, S, E]
+    p_all = _presence(ids, lay.step_of_row, np.ones(R, bool), S, E)  # [L, S, E]
+    r, r2 = _next_rows(lay)
     return {
         "trace": name,
         "block_length": block_length,
-        "model_path": m.model_path,
-        "size": size,
-        "distinct_experts": distinct,
-        "tokens_per_forward": tokens,
-        "overlap": overlap,
-        "route_stability": stability,
-        "reuse_by_state": by_state,
-        "gate_weight": gate,
-        "skew": skew,
+        "model_path": trace.meta.model_path,
+        "size": _size(trace, lay),
+        "distinct_experts": _distinct_experts(lay, p_block.sum(-1), p_all.sum(-1)),
+        "tokens_per_forward": _tokens_per_forward(lay, trace.token_state),
+        "overlap": _overlap(lay, p_all),
+        "route_stability": _route_stability(ids, lay, r, r2),
+        "reuse_by_state": _reuse_by_state(ids, weights, p_all, lay, r),
+        "gate_weight": _gate_weight(weights, lay),
+        "skew": _skew(ids, E),
     }
 
 

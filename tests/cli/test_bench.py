@@ -32,11 +32,12 @@ def test_bench_tiny_writes_a_report(tiny_dir, tmp_path):
 
 
 def test_rows_follow_only_the_same_prompt(tiny_dir):
-    from oled.decoding import Trajectory
+    from oled.decoding import DecodeConfig, Trajectory
     from oled.runtime import load_runtime
 
-    rt = load_runtime(str(tiny_dir), device="cpu", dtype="float32")
-    cfg = bench.BenchConfig(gen_length=8, block_length=8, prompt_length=20, runs=1, warmup_runs=0)
+    rt = load_runtime(str(tiny_dir), device="cpu", dtype="float32",
+                      decode=DecodeConfig(block_length=8))  # fmt: skip
+    cfg = bench.BenchConfig(gen_length=8, prompt_length=20, runs=1, warmup_runs=0)
     trajectory = Trajectory()
     first = bench.bench_runtime(rt, cfg, "first", trajectory)
     assert trajectory.steps and len(trajectory.prompt) == 20 and "agreement" not in first
@@ -149,14 +150,14 @@ def test_bench_compares_recipes_side_by_side(tiny_dir, tmp_path):
 
 
 def test_rows_done_stay_in_the_report_when_a_later_one_fails(tiny_dir, tmp_path, monkeypatch):
-    from oled import launch
+    from oled import runtime
 
     recipes = []
     for name in ("first", "second"):
         recipes.append(tmp_path / f"{name}.toml")
         recipes[-1].write_text(f'[model]\npath = "{tiny_dir}"\n[runtime]\ndevice = "cpu"\n'
                                "[decoding]\nmax_new_tokens = 8\nblock_length = 8\n")  # fmt: skip
-    real, built = launch.build, []
+    real, built = runtime.build, []
 
     def build_then_fail(spec):
         built.append(spec)
@@ -164,7 +165,7 @@ def test_rows_done_stay_in_the_report_when_a_later_one_fails(tiny_dir, tmp_path,
             raise RuntimeError("out of memory (test)")
         return real(spec)
 
-    monkeypatch.setattr(launch, "build", build_then_fail)
+    monkeypatch.setattr(runtime, "build", build_then_fail)
     args = ["bench", *map(str, recipes), "--prompt-length", "20", "--runs", "1",
             "--warmup-runs", "0", "--report-dir", str(tmp_path / "out")]  # fmt: skip
     result = runner.invoke(app, args)
@@ -277,12 +278,12 @@ def test_bench_replays_a_routing_trace(tiny_dir, tmp_path, trace_file):
 
 def test_bench_refuses_a_trace_of_another_geometry_before_loading(tiny_dir, tmp_path, trace_file,
                                                                   monkeypatch):  # fmt: skip
-    from oled.trace.format import Trace
+    from oled.decoding.trace_file import Trace
 
     trace = Trace.load(trace_file)
     wider = tmp_path / "wide.oledtrace"
     replace(trace, meta=replace(trace.meta, num_experts=64)).save(wider)
-    monkeypatch.setattr("oled.launch.build", lambda spec: (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr("oled.runtime.build", lambda spec: (_ for _ in ()).throw(AssertionError))
     args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--routing", f"trace:{wider}"]
     result = runner.invoke(app, args)
     assert result.exit_code == 2

@@ -66,11 +66,26 @@ def test_copies_row_names_the_copy_path(monkeypatch):
 
 def test_planner_row_says_whether_plans_run_compiled(monkeypatch):
     from oled import env
-    from oled.offload import native
+    from oled.policies import native
 
-    assert env.planner_row().startswith("compiled")
+    report = env.Report()
+    assert env.planner_row(report).startswith("compiled") and not report.failures
     monkeypatch.setattr(native, "_load", lambda: native.NativeUnavailable("no C compiler found"))
-    assert env.planner_row() == "Python (compiled planner unavailable: no C compiler found)"
+    assert env.planner_row(report) == "Python (compiled planner unavailable: no C compiler found)"
+    assert not report.failures
+
+
+def test_a_broken_contract_fails_the_report(monkeypatch):
+    from oled import env
+    from oled.policies import native
+
+    def broken():
+        raise native.ContractError("plan.c and its ctypes mirror disagree on sizeof(Bind)")
+
+    monkeypatch.setattr(native, "library", broken)
+    report = env.Report()
+    assert env.planner_row(report).startswith("refused")
+    assert report.failures == ["plan.c and its ctypes mirror disagree on sizeof(Bind)"]
 
 
 def test_launches_row_says_why_layer_calls_launch_in_python(monkeypatch):

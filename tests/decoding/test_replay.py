@@ -17,11 +17,11 @@ from oled.decoding.replay import (
     select_prompts,
     split_prompts,
 )
+from oled.decoding.trace_file import Trace
 from oled.model.presets import init_checkpoint
 from oled.offload.budget import Budget
 from oled.runtime import build_runtime, load_runtime
-from oled.trace.commands import record_replay
-from oled.trace.format import Trace
+from oled.trace.record import record_replay
 
 FIELDS = ("ids", "weights", "token_state", "confidence", "row_offsets", "block", "iteration",
           "step")  # fmt: skip

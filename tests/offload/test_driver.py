@@ -1,6 +1,8 @@
 """drive.c's layer launches (oled.offload.driver) against a recording stand-in for the CUDA
-runtime: after the compiled plan it issues the engine's Python path's calls in its order, with
-the plan's rows, slots and events, or none at all when it declines."""
+runtime: after the compiled plan it issues the calls that the engine's Python path
+(oled.offload.launches, run here against a recording Launcher) issues for the same plan, in its
+order, with the plan's rows, slots and events, or none at all when it declines; its ctypes
+mirrors are checked against drive.c's contract on load."""
 
 from __future__ import annotations
 
@@ -10,19 +12,22 @@ import itertools
 import numpy as np
 import pytest
 
-from oled.offload import native
+from oled.offload import driver
 from oled.offload.driver import COUNTS, Call, Drive
-from oled.offload.planner import COPIED, HIT, STAGED, Planner
+from oled.offload.launches import launch_layer
 from oled.policies import compensation as C
+from oled.policies import native
 from oled.policies import retention as R
 from oled.policies.allocation import UniformAllocation
 from oled.policies.base import CostModel
+from oled.policies.planner import COPIED, STAGED, Planner
 
 L, E, K, T = 3, 24, 4, 6
 SRC13, SRC2, CACHE13, CACHE2 = 10**9, 2 * 10**9, 3 * 10**9, 4 * 10**9  # [L] bases + 10**7 l
 STAGE13, STAGE2, Z13, Z2 = 5 * 10**9, 6 * 10**9, 1000, 500
 MAPS_DEV, COMPUTE, COPY = 7 * 10**9, 71, 72
 X_DEV, X_HOST, X_BYTES = 8 * 10**9, 9 * 10**9, 4096
+STAGE_CAPACITY = 2
 
 _int = ctypes.c_int
 _p, _s = ctypes.c_void_p, ctypes.c_size_t
@@ -84,10 +89,10 @@ class Runtime:
 
 
 def setup(compensation, *, batch_min: int = 0):
-    p = Planner(
-        num_layers=L, num_experts=E, top_k=K, total_slots=3 * 5, stage_capacity=2,
+    p = Planner.for_model(
+        L, E, K, 3 * 5, stage_capacity=STAGE_CAPACITY, cost=CostModel.profile("h200"),
         allocation=UniformAllocation(), retention=R.LRURetention(), compensation=compensation,
-        cost=CostModel.profile("h200"), compiled=True,
+        compiled=True,
     )  # fmt: skip
     maps = np.full((L, p.slot_map_rows, E), -1, np.int64)
     p.attach_maps(maps)
@@ -124,47 +129,75 @@ def setup(compensation, *, batch_min: int = 0):
 def run(p, d, call, routing, layer, ids, weights) -> int:
     """One layer call through drive.c, its routing in the call's host buffers."""
     routing[0][:], routing[1][:] = ids, weights
-    rc = native.library().oled_layer(
+    rc = driver.library().oled_layer(
         ctypes.byref(d), ctypes.byref(call), layer, p.step, p.block, 1.0, 0
     )
     p.native.finish(layer, rc, ids)
     return rc
 
 
-def expected(layer: int, plan, map_rows: int, stage_free: int | None) -> list[tuple]:
-    """The engine's Python path's runtime calls for a plan (events as '?', checked apart)."""
-    calls = []
+class Recorder:
+    """A launches.Launcher over the test's tables: the Python path's runtime calls as
+    Runtime's tuples (events numbered from 1), its timed event pairs as drive.c logs them."""
 
-    def copies(experts, slots, d13, d2):
-        calls.append(("record", "?", COPY))
-        for src, dst, z in ((SRC13, d13, Z13), (SRC2, d2, Z2)):
-            base = src + 10**7 * layer
-            calls.extend(("copy", dst + s * z, base + e * z, z, 1, COPY)
-                         for e, s in zip(experts, slots, strict=True))  # fmt: skip
-        calls.append(("record", "?", COPY))
+    compute, copy, stage_capacity, ahead = COMPUTE, COPY, STAGE_CAPACITY, None
 
-    def wait():
-        calls.extend([("record", "?", COMPUTE), ("wait", COMPUTE, "?"), ("record", "?", COMPUTE)])
+    def __init__(self, maps: np.ndarray) -> None:
+        self.maps = maps
+        self.calls: list[tuple] = []
+        self.log: list[tuple] = []  # (layer, kind, start, end): kind 0 copies, 1 a stall
+        self.events = itertools.count(1)
+        self.stage_free = None
 
-    cache13, cache2 = CACHE13 + 10**7 * layer, CACHE2 + 10**7 * layer
-    if len(plan.copy_experts):
-        copies(plan.copy_experts, plan.copy_slots, cache13, cache2)
-    if len(plan.cpu_experts):
-        calls += [("copy", X_HOST, X_DEV, X_BYTES, 2, COMPUTE), ("record", "?", COMPUTE)]
-    at = layer * map_rows * E * 8
-    calls.append(("copy", MAPS_DEV + at, "maps", plan.map_rows * E * 8, 1, COMPUTE))
-    calls.append(("graph", 100 * (HIT + 1), COMPUTE))
-    if len(plan.copy_experts):
-        wait()
-        calls.append(("graph", 100 * (COPIED + 1), COMPUTE))
-    for r in range(plan.map_rows - STAGED):
-        if stage_free or r:
-            calls.append(("wait", COPY, "?"))
-        lo = 2 * r
-        copies(plan.stage_experts[lo : lo + 2], plan.stage_slots[lo : lo + 2], STAGE13, STAGE2)
-        wait()
-        calls += [("graph", 100 * (STAGED + r + 1), COMPUTE), ("record", "?", COMPUTE)]
-    return calls
+    def record(self, stream) -> int:
+        event = next(self.events)
+        self.calls.append(("record", event, stream))
+        return event
+
+    def wait(self, stream, event) -> None:
+        self.calls.append(("wait", stream, event))
+
+    def timed(self, layer, start, end, copy) -> None:
+        self.log.append((layer, 0 if copy else 1, start, end))
+
+    def copy_rows(self, layer, experts, slots, stage) -> None:
+        """Every w13 row, then every w2 row, one cudaMemcpyAsync each (copies.launch)."""
+        src = (SRC13 + 10**7 * layer, SRC2 + 10**7 * layer)
+        dst = (STAGE13, STAGE2) if stage else (CACHE13 + 10**7 * layer, CACHE2 + 10**7 * layer)
+        for s_base, d_base, z in zip(src, dst, (Z13, Z2), strict=True):
+            self.calls.extend(("copy", d_base + s * z, s_base + e * z, z, 1, COPY)
+                              for e, s in zip(experts, slots, strict=True))  # fmt: skip
+
+    def copies_issued(self, layer) -> None:
+        pass
+
+    def activations(self) -> None:
+        self.calls.append(("copy", X_HOST, X_DEV, X_BYTES, 2, COMPUTE))
+
+    def send_maps(self, layer, rows) -> None:
+        at = layer * self.maps.shape[1] * E * 8
+        self.calls.append(("copy", MAPS_DEV + at, self.maps.ctypes.data + at, rows * E * 8, 1,
+                           COMPUTE))  # fmt: skip
+
+    def run_pass(self, row) -> None:
+        self.calls.append(("graph", 100 * (row + 1), COMPUTE))  # setup's graph of row r
+
+
+def numbered(calls: list[tuple], log: list) -> tuple[list[tuple], list[tuple]]:
+    """Calls and logged pairs with each event named by the order it first appears in."""
+    names: dict[int, int] = {}
+
+    def name(event: int) -> int:
+        return names.setdefault(event, len(names))
+
+    out = []
+    for c in calls:
+        if c[0] == "record":
+            c = ("record", name(c[1]), c[2])
+        elif c[0] == "wait":
+            c = ("wait", c[1], name(c[2]))
+        out.append(c)
+    return out, [(int(a), int(k), name(int(s)), name(int(e))) for a, k, s, e in log]
 
 
 @pytest.fixture(autouse=True)
@@ -177,38 +210,43 @@ def needs_compiler():
 
 @pytest.mark.parametrize("comp", ["transfer", "cpu"])
 def test_launches_follow_the_python_path(comp):
-    """Every layer call: the copies into the plan's slots, the activations when CPU experts are
-    planned, the slot maps, the passes' graphs, each wait on the event its copies completed."""
+    """Every layer call: drive.c's runtime calls and timed event pairs are the Python path's
+    for the same plan (launches.launch_layer): the copies into the plan's slots, the
+    activations when CPU experts are planned, the slot maps, the passes' graphs, each wait on
+    the event its copies completed."""
     compensation = C.TransferOnly() if comp == "transfer" else C.CpuOnly()
     p, d, call, rt, (keep, _, maps, routing) = setup(compensation)
+    python = Recorder(maps)
     ref = ctypes.byref(d)
     rng = np.random.default_rng(0)
     staged = cpu = 0
     for step, layer in itertools.product(range(6), range(L)):
         p.begin_step(step=step, block=0)
         ids = rng.integers(0, E, (T, K))
-        stage_free = d.stage_free
         rt.calls.clear()
+        python.calls.clear()
+        python.log.clear()
+        logged = d.logged
         rc = run(p, d, call, routing, layer, ids, rng.random((T, K)).astype(np.float32))
         assert rc == 1
         plan = p.native.unpack(layer)
         p.caches[layer].check()  # drive.c counted the free slots as the cache does
-        want = expected(layer, plan, maps.shape[1], stage_free)
-        got = [c if c[0] != "copy" or c[2] != maps.ctypes.data + c[1] - MAPS_DEV else
-               (*c[:2], "maps", *c[3:]) for c in rt.calls]  # fmt: skip
-        assert [tuple("?" if w == "?" else g for g, w in zip(c, e, strict=True))
-                for c, e in zip(got, want, strict=True)] == want  # fmt: skip
-        assert len(got) == len(want)
-        recorded = [c[1] for c in rt.calls if c[0] == "record"]
+        cpu_ready = launch_layer(python, layer, plan)
+        assert numbered(rt.calls, keep["log"][logged : d.logged]) == numbered(
+            python.calls, python.log
+        )
+        assert (cpu_ready is not None) == bool(d.cpu_ready) == (len(plan.cpu_experts) > 0)
         for i, c in enumerate(rt.calls):  # each wait is on an event recorded before it
             if c[0] == "wait" and c[1] == COMPUTE:
                 copy_done = [x[1] for x in rt.calls[:i] if x[0] == "record" and x[2] == COPY]
                 assert c[2] == copy_done[-1]
+        recorded = [c[1] for c in rt.calls if c[0] == "record"]
         assert len(set(recorded)) == len(recorded), "an event recorded twice in one call"
         staged += plan.map_rows > STAGED
         cpu += len(plan.cpu_experts) > 0
         if d.used > 400:
-            assert native.library().oled_collect(ref) == 0
+            assert driver.library().oled_collect(ref) == 0
+            python.stage_free = None  # both streams idle: the stage is free
     assert cpu if comp == "cpu" else staged, "the routing never needed the case under test"
 
 
@@ -236,7 +274,7 @@ def test_counts_and_collected_times_match_the_plans():
     assert (counts[:, col["plan_ms"]] > 0).all()
     kinds = keep["log"][: d.logged, 1].tolist()
     assert copy_launches > 0 and kinds.count(0) == kinds.count(1) == copy_launches
-    assert native.library().oled_collect(ref) == 0
+    assert driver.library().oled_collect(ref) == 0
     assert d.used == d.logged == 0 and not d.stage_free
     assert counts[:, col["copy_ms"]].sum() == pytest.approx(0.5 * copy_launches)
     assert counts[:, col["stall_ms"]].sum() == pytest.approx(0.25 * copy_launches)
@@ -257,7 +295,7 @@ def test_declines_before_any_launch_without_a_graph():
 def test_a_routing_larger_than_the_planners_buffers_is_refused():
     p, d, call, rt, _ = setup(C.TransferOnly())
     call.pairs = len(p.native.ids) + 1
-    lib = native.library()
+    lib = driver.library()
     assert lib.oled_layer(ctypes.byref(d), ctypes.byref(call), 0, 0, 0, 1.0, 0) == -3
     assert rt.calls == [] and p.stats.plans.sum() == 0
 
@@ -275,3 +313,37 @@ def test_batched_copies_carry_the_same_rows():
     want = [(CACHE13 + s * Z13, SRC13 + e * Z13) for e, s in zip(plan.copy_experts,
             plan.copy_slots, strict=True)]  # fmt: skip
     assert [(c[1], c[2]) for c in copies[:n]] == want
+
+
+def _swapped(struct: type[ctypes.Structure], i: int, j: int) -> type[ctypes.Structure]:
+    """A ctypes mirror of `struct` with fields i and j swapped."""
+    fields = list(struct._fields_)
+    fields[i], fields[j] = fields[j], fields[i]
+    return type("Swapped", (ctypes.Structure,), {"_fields_": fields})
+
+
+def test_the_drive_contract_holds_and_names_every_field():
+    reported = native.contract(driver.library(), "drive")
+    assert [f for f, *_ in reported["Drive"].rows] == [f for f, _ in Drive._fields_]
+    assert reported["Call"].size == ctypes.sizeof(Call)
+    assert [n for n, *_ in reported["counts"].rows] == list(COUNTS)
+
+
+def test_a_drive_mirror_with_two_fields_swapped_is_refused_on_load(monkeypatch):
+    monkeypatch.setattr(driver, "Drive", _swapped(Drive, 2, 3))
+    driver._checked.cache_clear()
+    try:
+        with pytest.raises(native.ContractError, match=r"drive.c and its ctypes mirror disagree "
+                           r"on Drive field 2: C has 'record' at offset 16 \(8 bytes\), the "
+                           r"mirror 'wait' at offset 16 \(8 bytes\)"):  # fmt: skip
+            driver.library()
+    finally:
+        monkeypatch.undo()
+        driver._checked.cache_clear()
+    driver.library()
+
+
+def test_a_counts_table_out_of_order_is_refused():
+    wrong = {name: i for i, name in enumerate(COUNTS)} | {"hits": 1, "misses": 0}
+    with pytest.raises(native.ContractError, match="on the counts: 'hits' is 0 in C, 1 in Python"):
+        native.check(driver.library(), "drive", {"Drive": Drive, "Call": Call}, {"counts": wrong})

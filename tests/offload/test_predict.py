@@ -49,7 +49,7 @@ def test_recorded_routing_predicts_the_next_layer_exactly(tiny_dir):
     from oled.policies import compensation as C
     from oled.policies import retention as R
     from oled.runtime import build_runtime
-    from oled.trace.commands import record
+    from oled.trace.record import record
 
     kw = dict(max_new_tokens=24, threshold=0.6, block_length=8)
     resident = load_runtime(str(tiny_dir), device="cpu", dtype="float32")

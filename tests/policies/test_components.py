@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oled.offload.planner import Planner
 from oled.policies import allocation, compensation, retention
 from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
 from oled.policies.base import (
@@ -33,15 +32,16 @@ from oled.policies.compensation import (
     best_split,
     copying_all_is_best,
 )
+from oled.policies.planner import Planner
 from oled.policies.retention import ConfidenceRetention, LFURetention, LRURetention
 
 COST = CostModel.profile("h200")
 
 
 def planner(ret, comp, *, experts=16, slots=4, layers=1) -> Planner:
-    return Planner(
-        num_layers=layers, num_experts=experts, top_k=1, total_slots=slots, stage_capacity=0,
-        allocation=UniformAllocation(), retention=ret, compensation=comp, cost=COST,
+    return Planner.for_model(
+        layers, experts, 1, slots, stage_capacity=0, cost=COST, allocation=UniformAllocation(),
+        retention=ret, compensation=comp,
     )  # fmt: skip
 
 

@@ -1,19 +1,21 @@
-"""The compiled planner (oled.offload.native) decides exactly as the Python planner."""
+"""The compiled planner (oled.policies.native) decides exactly as the Python planner, and its
+contract with plan.c is checked on load."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 
 import numpy as np
 import pytest
 
-from oled.offload import native
-from oled.offload.planner import Planner
 from oled.policies import compensation as C
+from oled.policies import native
 from oled.policies import retention as R
 from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
 from oled.policies.base import CostModel, Load, RetentionPolicy, StepContext
+from oled.policies.planner import Planner
 
 L, E, K = 4, 32, 4
 RETENTIONS = {
@@ -46,10 +48,10 @@ SETUPS = [  # total slots, stage capacity, adaptive allocation, copies ahead
 def planner(ret: str, comp: str, setup: tuple, *, compiled: bool) -> Planner:
     slots, stage, adaptive, ahead = setup
     alloc = AdaptiveAllocation(min_shift=0.0) if adaptive else UniformAllocation()
-    return Planner(
-        num_layers=L, num_experts=E, top_k=K, total_slots=slots, stage_capacity=stage,
-        allocation=alloc, retention=RETENTIONS[ret](), compensation=COMPENSATIONS[comp](),
-        cost=CostModel.profile("h200"), prefetch_limit=ahead, compiled=compiled,
+    return Planner.for_model(
+        L, E, K, slots, stage_capacity=stage, cost=CostModel.profile("h200"), allocation=alloc,
+        retention=RETENTIONS[ret](), compensation=COMPENSATIONS[comp](), prefetch_limit=ahead,
+        compiled=compiled,
     )  # fmt: skip
 
 
@@ -152,10 +154,10 @@ class _Own(R.LRURetention):
 
 def test_policies_of_ones_own_plan_in_python() -> None:
     def make(compiled):
-        return Planner(
-            num_layers=L, num_experts=E, top_k=K, total_slots=16, stage_capacity=2,
+        return Planner.for_model(
+            L, E, K, 16, stage_capacity=2, cost=CostModel.profile("h200"),
             allocation=UniformAllocation(), retention=_Own(), compensation=C.TransferOnly(),
-            cost=CostModel.profile("h200"), compiled=compiled,
+            compiled=compiled,
         )  # fmt: skip
 
     assert not make(None).compiled
@@ -176,3 +178,68 @@ def test_without_a_compiler_the_planner_warns_and_plans_in_python(tmp_path, monk
     finally:
         native._load.cache_clear()
     assert os.listdir(tmp_path) == []
+
+
+def _swapped(struct: type[ctypes.Structure], i: int, j: int) -> type[ctypes.Structure]:
+    """A ctypes mirror of `struct` with fields i and j swapped."""
+    fields = list(struct._fields_)
+    fields[i], fields[j] = fields[j], fields[i]
+    return type("Swapped", (ctypes.Structure,), {"_fields_": fields})
+
+
+def test_the_plan_contract_holds_and_names_every_field() -> None:
+    lib = native.library()  # loading checked it
+    native.check(lib, "plan", {"Bind": native.Bind}, native.plan_tables())
+    bind = native.contract(lib, "plan")["Bind"]
+    assert [f for f, *_ in bind.rows] == [f for f, _ in native.Bind._fields_]
+    assert bind.size == ctypes.sizeof(native.Bind)
+
+
+def test_a_bind_mirror_with_two_fields_swapped_is_refused() -> None:
+    with pytest.raises(native.ContractError, match=r"plan.c and its ctypes mirror disagree on "
+                       r"Bind field 4: C has 'slot_of' at offset 32 \(8 bytes\), the mirror "
+                       r"'expert_in' at offset 32 \(8 bytes\)"):  # fmt: skip
+        native.check(native.library(), "plan", {"Bind": _swapped(native.Bind, 4, 5)},
+                     native.plan_tables())  # fmt: skip
+
+
+def test_a_bind_mirror_with_a_narrower_field_is_refused() -> None:
+    fields = [(f, ctypes.c_int32 if f == "ret_flag" else t) for f, t in native.Bind._fields_]
+    narrow = type("Narrow", (ctypes.Structure,), {"_fields_": fields})
+    with pytest.raises(native.ContractError, match=r"Bind field 13: C has 'ret_flag' at offset "
+                       r"104 \(8 bytes\), the mirror 'ret_flag' at offset 104 \(4 bytes\)"):  # fmt: skip
+        native.check(native.library(), "plan", {"Bind": narrow}, native.plan_tables())
+
+
+@pytest.mark.parametrize(
+    ("name", "patch", "message"),
+    [
+        ("RETENTION", {**native.RETENTION, R.LFURetention: 3},
+         "on the retention kinds: 'LFURetention' is 2 in C, 3 in Python"),
+        ("COMPENSATION", {k: v for k, v in native.COMPENSATION.items() if k is not C.StaticHot},
+         "on the compensation kinds: 'StaticHot' is 7 in C, missing in Python"),
+        ("REGIONS", ("misses", "hits", *native.REGIONS[2:]),
+         "on the regions: 'hits' is 0 in C, 1 in Python"),
+    ],
+)  # fmt: skip
+def test_a_wrong_table_is_refused_on_load(monkeypatch, name, patch, message) -> None:
+    """The library is not loaded (so no plan runs compiled) while a table disagrees, and no
+    planner mode hides that by planning in Python."""
+    monkeypatch.setattr(native, name, patch)
+    native._load.cache_clear()
+    try:
+        with pytest.raises(native.ContractError, match=message):
+            native.library()
+        with pytest.raises(native.ContractError, match=message):
+            planner("lru", "transfer", SETUPS[0], compiled=None)
+    finally:
+        monkeypatch.undo()
+        native._load.cache_clear()
+    assert planner("lru", "transfer", SETUPS[0], compiled=None).compiled
+
+
+def test_structs_and_tables_left_unchecked_are_refused() -> None:
+    with pytest.raises(native.ContractError, match=r"name different structs and tables: "
+                       r"\['Bind', 'counters'"):  # fmt: skip
+        tables = {k: v for k, v in native.plan_tables().items() if k != "counters"}
+        native.check(native.library(), "plan", {}, tables)

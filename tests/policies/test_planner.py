@@ -7,7 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oled.offload.planner import Planner
 from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
 from oled.policies.base import TOKEN_MASKED, CostModel, Load, StepContext
 from oled.policies.compensation import (
@@ -20,6 +19,7 @@ from oled.policies.compensation import (
     StaticHot,
     TransferOnly,
 )
+from oled.policies.planner import Planner
 from oled.policies.retention import (
     ConfidenceRetention,
     LFURetention,
@@ -47,9 +47,9 @@ def make(
     alloc=None,
     prefetch=0,
 ) -> Planner:
-    return Planner(
-        num_layers=layers, num_experts=experts, top_k=k, total_slots=slots, stage_capacity=stage,
-        allocation=alloc or UniformAllocation(), retention=ret(), compensation=comp(), cost=COST,
+    return Planner.for_model(
+        layers, experts, k, slots, stage_capacity=stage, cost=COST,
+        allocation=alloc or UniformAllocation(), retention=ret(), compensation=comp(),
         prefetch_limit=prefetch,
     )  # fmt: skip
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from oled.decoding.trace_file import Trace
 from oled.policies import ANCHORS, anchor_policies
 from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
 from oled.policies.base import TOKEN_FIXED, TOKEN_MASKED, CostModel, StepContext
@@ -24,7 +25,6 @@ from oled.policies.retention import (
     ConfidenceRetention,
     LRURetention,
 )
-from oled.trace.format import Trace
 from oled.trace.recorder import TraceRecorder
 from oled.trace.simulate import belady_bypass, belady_layer, requests, simulate
 from oled.trace.synthetic import synthetic_trace

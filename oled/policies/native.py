@@ -1,5 +1,6 @@
-"""The compiled planner: `Planner.plan` in C (plan.c) for the built-in policies, and the engine's
-layer launches (drive.c, used through oled.offload.driver).
+"""The compiled planner: `Planner.plan` in C (plan.c) for the built-in policies, built into one
+library with the offload engine's layer launches (oled/offload/drive.c, used through
+oled.offload.driver).
 
 The C code is built on first use with the system's C compiler (`$CC`, else `cc`) into the cache
 directory ($OLED_HOME/native) and loaded with ctypes. It decides exactly as the Python planner:
@@ -8,6 +9,10 @@ field of every plan). Policies it does not know, and machines without a compiler
 Python planner. It holds the addresses of the caches', the policies' and the planner's arrays:
 those are updated in place, never replaced, except the caches that a resize rebuilds
 (`bind_caches`).
+
+On load the C side's contract (each struct's size and fields, its tables of names) is checked
+against the Python mirrors (`Bind`, the policy kinds, the counters, the output's layout): any
+difference is a ContractError before anything runs.
 """
 
 from __future__ import annotations
@@ -20,40 +25,52 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from functools import cache
+from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from oled.env import cache_home
-from oled.offload.planner import LayerPlan
+from oled.paths import cache_home
 from oled.policies import compensation as C
 from oled.policies import retention as R
 from oled.policies.base import CompensationPolicy, Load, RetentionPolicy
+from oled.policies.planner import COPIED, COUNTERS, HIT, STAGED, LayerPlan
 
 if TYPE_CHECKING:
-    from oled.offload.planner import Planner
+    from oled.policies.planner import Planner
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("plan.c", "drive.c"))
-HEADERS = (Path(__file__).with_name("plan.h"),)  # in the build's tag, found beside the sources
+_HERE = Path(__file__).parent
+# drive.c: the offload engine's layer launches, built into the same library (including plan.h)
+SOURCES = (_HERE / "plan.c", _HERE.parent / "offload" / "drive.c")
+HEADERS = (_HERE / "plan.h",)  # in the build's tag; found through -I
 FLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
          "-fno-fast-math")  # fmt: skip  # no FMA contraction: the same rounding as numpy
 REGIONS = ("hits", "misses", "gpu_experts", "copy_experts", "copy_slots", "stage_experts",
            "stage_slots", "cpu_experts", "cpu_tokens", "evicted", "counts")  # fmt: skip
 # plan.c's header after the regions' starts: where the slot map copy starts and the output
 # ends, the cache's free slots after the plan, the slot-map rows written
-SLOT_MAP, END, FREE, MAP_ROWS = range(len(REGIONS), len(REGIONS) + 4)
+HEADER_FIELDS = ("slot_map", "end", "free", "map_rows")
+SLOT_MAP, END, FREE, MAP_ROWS = range(len(REGIONS), len(REGIONS) + len(HEADER_FIELDS))
 
 RETENTION = {R.LRURetention: 1, R.LFURetention: 2, R.ScoreEMARetention: 3,
              R.ConfidenceRetention: 4}  # fmt: skip
 COMPENSATION = {C.TransferOnly: 1, C.Resident: 1, C.CpuOnly: 2, C.BatchThreshold: 3,
                 C.MakespanCompensation: 4, C.CooperativeCompensation: 5,
                 C.IntervalRefresh: 6, C.StaticHot: 7}  # fmt: skip
+_PREDICTED_HITS = COUNTERS.index("predicted_hits")
 
 
 class NativeUnavailable(RuntimeError):
     """The compiled planner cannot be built or loaded here."""
+
+
+class ContractError(RuntimeError):
+    """The compiled code and its Python mirrors (ctypes structs, tables) disagree: a defect of
+    the package, never a reason to plan in Python instead, so it is raised wherever the library
+    is asked for (in every planner mode)."""
 
 
 _p = ctypes.c_void_p
@@ -79,6 +96,118 @@ class Bind(ctypes.Structure):
     ]  # fmt: skip
 
 
+# -- the contract ---------------------------------------------------------------------------
+
+
+class _Row(ctypes.Structure):
+    """Mirrors `ContractRow` in plan.h (its size is checked first)."""
+
+    _fields_ = [("name", ctypes.c_char_p), ("value", _i), ("size", _i)]
+
+
+class _Table(ctypes.Structure):
+    """Mirrors `Contract` in plan.h."""
+
+    _fields_ = [("name", ctypes.c_char_p), ("size", _i), ("n_rows", _i),
+                ("rows", ctypes.POINTER(_Row))]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Reported:
+    """A struct's layout or a table of names as the C side reports it."""
+
+    size: int  # the struct's sizeof; -1 for a table
+    rows: tuple[tuple[str, int, int], ...]  # struct: (field, offset, size); table: (name, value, 0)
+
+
+def contract(lib: ctypes.CDLL, part: str) -> dict[str, Reported]:
+    """What `part`.c reports through oled_`part`_contract, by struct or table name."""
+    sizes = np.zeros(2, np.int64)
+    lib.oled_contract_sizes(_addr(sizes))
+    mine = (ctypes.sizeof(_Row), ctypes.sizeof(_Table))
+    if tuple(sizes.tolist()) != mine:
+        raise ContractError(f"plan.h's contract rows are {sizes.tolist()} bytes, the mirrors "
+                            f"{list(mine)}")  # fmt: skip
+    fn = getattr(lib, f"oled_{part}_contract")
+    fn.restype, fn.argtypes = _i, [ctypes.POINTER(ctypes.POINTER(_Table))]
+    tables = ctypes.POINTER(_Table)()
+    n = fn(ctypes.byref(tables))
+    return {
+        t.name.decode(): Reported(
+            t.size, tuple((r.name.decode(), r.value, r.size) for r in t.rows[: t.n_rows])
+        )
+        for t in tables[:n]
+    }
+
+
+def check(
+    lib: ctypes.CDLL,
+    part: str,
+    structs: dict[str, type[ctypes.Structure]],
+    tables: dict[str, dict[str, int]],
+) -> None:
+    """`part`.c's contract against the Python mirrors: ctypes `structs` and `tables` (name ->
+    value) by the C side's names; ContractError at the first difference."""
+    reported = contract(lib, part)
+    unchecked = set(reported) ^ (set(structs) | set(tables))
+    if unchecked:
+        raise ContractError(f"{part}.c and its Python mirrors name different structs and "
+                            f"tables: {sorted(unchecked)}")  # fmt: skip
+    for name, struct in structs.items():
+        check_struct(name, struct, reported[name], source=f"{part}.c")
+    for name, table in tables.items():
+        check_table(name, table, reported[name], source=f"{part}.c")
+
+
+def check_struct(
+    name: str, struct: type[ctypes.Structure], reported: Reported, *, source: str
+) -> None:
+    """The ctypes mirror `struct` of C's struct `name`: the same fields, in order, at the same
+    offsets with the same sizes, and the same size; else ContractError."""
+    fields = [f[0] for f in struct._fields_]
+    mine = [(f, getattr(struct, f).offset, getattr(struct, f).size) for f in fields]
+    for i, (theirs, ours) in enumerate(zip_longest(reported.rows, mine)):
+        if theirs != ours:
+            raise ContractError(f"{source} and its ctypes mirror disagree on {name} field {i}: "
+                                f"C has {_field(theirs)}, the mirror {_field(ours)}")  # fmt: skip
+    if ctypes.sizeof(struct) != reported.size:
+        raise ContractError(f"{source} and its ctypes mirror disagree on sizeof({name}): "
+                            f"{reported.size} in C, {ctypes.sizeof(struct)} in the mirror")  # fmt: skip
+
+
+def check_table(name: str, table: dict[str, int], reported: Reported, *, source: str) -> None:
+    """The Python side's `table` (name -> value) against C's table `name`; else ContractError."""
+    theirs = {key: value for key, value, _ in reported.rows}
+    for key in dict.fromkeys([*theirs, *table]):
+        if theirs.get(key) != table.get(key):
+            raise ContractError(f"{source} and its Python mirror disagree on the {name}: "
+                                f"{key!r} is {_value(theirs.get(key))} in C, "
+                                f"{_value(table.get(key))} in Python")  # fmt: skip
+
+
+def _field(row: tuple[str, int, int] | None) -> str:
+    return "no field" if row is None else f"{row[0]!r} at offset {row[1]} ({row[2]} bytes)"
+
+
+def _value(value: int | None) -> str:
+    return "missing" if value is None else str(value)
+
+
+def plan_tables() -> dict[str, dict[str, int]]:
+    """The tables plan.c reports, as the Python side has them."""
+    return {
+        "retention kinds": {cls.__name__: kind for cls, kind in RETENTION.items()},
+        "compensation kinds": {cls.__name__: kind for cls, kind in COMPENSATION.items()},
+        "counters": {name: i for i, name in enumerate(COUNTERS)},
+        "regions": {name: i for i, name in enumerate(REGIONS)},
+        "header": {name: SLOT_MAP + i for i, name in enumerate(HEADER_FIELDS)},
+        "slot-map rows": {"hit": HIT, "copied": COPIED, "staged": STAGED},
+    }
+
+
+# -- what runs compiled, building and loading ---------------------------------------------------
+
+
 def unsupported(retention: RetentionPolicy, compensation: CompensationPolicy) -> str | None:
     """Why the compiled planner cannot run these policies (None when it can)."""
     for policy, known in ((retention, RETENTION), (compensation, COMPENSATION)):
@@ -98,8 +227,9 @@ def _compiler() -> str:
 
 
 def library() -> ctypes.CDLL:
-    """plan.c built (once per source and machine) and loaded; NativeUnavailable when that
-    fails (remembered: a failed build is not retried in this process)."""
+    """plan.c and drive.c built (once per source and machine), loaded and plan.c's contract
+    checked; NativeUnavailable when that fails (remembered: a failed build is not retried in
+    this process), a ContractError whenever the contract does not hold."""
     lib = _load()
     if isinstance(lib, NativeUnavailable):
         raise lib
@@ -108,6 +238,24 @@ def library() -> ctypes.CDLL:
 
 @cache
 def _load() -> ctypes.CDLL | NativeUnavailable:
+    target = _target()
+    if isinstance(target, NativeUnavailable):
+        return target
+    try:
+        if not target.exists():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+        _declare(lib)
+        check(lib, "plan", {"Bind": Bind}, plan_tables())
+    except NativeUnavailable as e:
+        return e
+    except OSError as e:
+        return NativeUnavailable(f"cannot build or load {target}: {e}")
+    return lib
+
+
+def _target() -> Path | NativeUnavailable:
+    """The library's path in the cache, tagged by the flags and every source and header."""
     digest = hashlib.sha256(" ".join(FLAGS).encode())
     for source in (*SOURCES, *HEADERS):
         try:
@@ -116,25 +264,17 @@ def _load() -> ctypes.CDLL | NativeUnavailable:
             return NativeUnavailable(f"cannot read {source}: {e}")
     tag = digest.hexdigest()[:16]
     machine = f"{sys.platform}-{platform.machine()}"
-    target = cache_home() / "native" / f"plan-{machine}-{tag}.so"
-    try:
-        if not target.exists():
-            _build(target)
-        lib = ctypes.CDLL(str(target))
-    except NativeUnavailable as e:
-        return e
-    except OSError as e:
-        return NativeUnavailable(f"cannot build or load {target}: {e}")
+    return cache_home() / "native" / f"plan-{machine}-{tag}.so"
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """plan.c's entry points' signatures (drive.c's: oled.offload.driver)."""
     lib.oled_plan.restype = _i
     lib.oled_plan.argtypes = [_p, _i, _i, _i, _i, _d, _d, _d, _i]
     lib.oled_layout.restype = None
     lib.oled_layout.argtypes = [_i, _p]
-    lib.oled_layer.restype = _i
-    lib.oled_layer.argtypes = [_p, _p, _i, _i, _i, _d, _i]
-    lib.oled_collect.restype = _i
-    lib.oled_collect.argtypes = [_p]
-    lib.oled_drive_counts.restype = _i
-    return lib
+    lib.oled_contract_sizes.restype = None
+    lib.oled_contract_sizes.argtypes = [_p]
 
 
 def _build(target: Path) -> None:
@@ -142,7 +282,8 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then renamed: no torn file
     os.close(fd)
-    cmd = [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"]
+    includes = [f"-I{d}" for d in dict.fromkeys(h.parent for h in HEADERS)]
+    cmd = [cc, *FLAGS, *includes, "-o", tmp, *map(str, SOURCES), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode:
@@ -166,12 +307,10 @@ class CompiledPlan:
         self.planner = p = planner
         L, E = p.num_layers, p.num_experts
         self.E = E
-        lens = np.zeros(5, np.int64)  # scratch, out, header, counters, regions (plan.c)
+        lens = np.zeros(3, np.int64)  # scratch, out, header (plan.c)
         self.lib.oled_layout(E, _addr(lens))
-        scratch, out, self.header, counters, regions = lens.tolist()
+        scratch, out, self.header = lens.tolist()
         self.stats = p.stats.compiled  # [L, counters]
-        if self.stats.shape != (L, counters) or regions != len(REGIONS):
-            raise NativeUnavailable("plan.c and oled/offload/native.py disagree on the layout")
         self.scratch = np.zeros(scratch, np.int64)
         self.out = np.zeros(out, np.int64)
         b = self.bind = Bind(num_layers=L, num_experts=E, stage_capacity=p.stage_capacity,
@@ -180,8 +319,8 @@ class CompiledPlan:
         self._routing(64 * p.top_k)
         self._tables = [np.zeros(L, np.int64) for _ in range(3)]  # slot_of, expert_in, capacity
         b.slot_of, b.expert_in, b.capacity = (_addr(t) for t in self._tables)
-        b.ws, b.reuse, b.samples = _addr(p._ws), _addr(p._reuse), _addr(p._samples)
-        b.prev_used, b.stats = _addr(p._prev_used), _addr(self.stats)
+        b.ws, b.reuse, b.samples = _addr(p.working_set), _addr(p.reuse), _addr(p.samples)
+        b.prev_used, b.stats = _addr(p.last_counts), _addr(self.stats)
         self._retention(p.retention)
         self._compensation(p.compensation)
         cost = p.cost
@@ -288,7 +427,7 @@ class CompiledPlan:
         parts = {k: out[h[i] : h[i + 1]] for i, k in enumerate(REGIONS)}
         counts = parts.pop("counts")  # [E] tokens per expert
         predicted_hits = p.ahead.score(layer, counts)  # of those copied at the layer before
-        p.stats.rows[layer][11] += predicted_hits
+        p.stats.rows[layer][_PREDICTED_HITS] += predicted_hits
         slot_of = out[h[SLOT_MAP] :].view(np.int32)[: self.E]
         return LayerPlan(
             layer=layer,

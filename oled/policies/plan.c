@@ -1,11 +1,12 @@
-/* Planner.plan in C for the built-in policies (oled/offload/native.py loads it).
+/* Planner.plan in C for the built-in policies (oled/policies/native.py loads it).
  *
- * The same decisions as the Python planner (oled/offload/planner.py) and the same floating-point
+ * The same decisions as the Python planner (oled/policies/planner.py) and the same floating-point
  * operations in the same order: built without FMA contraction or fast math, sums in index order
  * like numpy's bincount and cumsum, stable sorts with the same tie rules. Every array is owned by
  * the Python objects (caches, policies, planner) and updated in place here.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -23,7 +24,7 @@ enum {
 enum { S_REST, S_REFRESH, S_PREFETCH, S_WANT, S_PROTECT, S_QUEUE, S_CAND, S_ORDER, S_TMP,
        S_REUSE, S_WANT_REUSE, S_KEY, S_LEFT, S_CPU_LEFT, S_MASS, N_SCRATCH };
 
-/* Mirrors oled.offload.native.Bind (ctypes). */
+/* Mirrors oled.policies.native.Bind (ctypes; checked on load against BIND_FIELDS). */
 struct Bind {
     int64_t num_layers, num_experts, stage_capacity;
     double stats_alpha;
@@ -48,7 +49,9 @@ struct Bind {
     int64_t map_rows;
 };
 
-#define N_STATS 12
+/* The columns of Bind.stats' rows: oled.policies.planner.COUNTERS, in order. */
+enum { ST_PLANS, ST_REQUESTS, ST_HITS, ST_MISSES, ST_COPIES, ST_PREFETCHES, ST_STAGED,
+       ST_CPU_EXPERTS, ST_CPU_TOKENS, ST_EVICTIONS, ST_PREDICTED, ST_PREDICTED_HITS, N_STATS };
 
 typedef struct {
     const Bind *b;
@@ -333,7 +336,7 @@ static int64_t place(const Layer *L, const int64_t *experts, const int64_t *slot
     return was_free;
 }
 
-/* The layer's slot maps (oled.offload.planner.write_maps): row MAP_HIT the slot of each
+/* The layer's slot maps (oled.policies.planner.write_maps): row MAP_HIT the slot of each
  * cached expert the plan did not just copy, MAP_COPIED the slots of the experts copied now,
  * MAP_STAGED + r the stage slots of round r's staged experts; -1 elsewhere. Returns the rows
  * written. */
@@ -353,14 +356,12 @@ static int64_t write_maps(const Bind *b, int64_t layer, const int32_t *slot_of,
     return rows;
 }
 
-/* The buffer lengths (int64s) for E experts: lens = {scratch, out, header, counters per
- * layer, the plan's arrays}; the Python side allocates from these, so they live here only. */
+/* The buffer lengths (int64s) for E experts: lens = {scratch, out, header}; the Python side
+ * allocates from these, so they live here only. */
 void oled_layout(int64_t E, int64_t *lens) {
     lens[0] = (N_SCRATCH + N_OUT) * (E + 1);
     lens[1] = HEADER + N_OUT * (E + 1) + (E + 1) / 2;
     lens[2] = HEADER;
-    lens[3] = N_STATS;
-    lens[4] = N_OUT;
 }
 
 /* The plan's arrays (sizes n[i]) and the layer's slot map packed into b->out. */
@@ -487,16 +488,16 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
 
     int64_t *row = b->stats + layer * N_STATS;
     int64_t n_copied = n_gpu - n_hits;
-    row[0] += 1;
-    row[1] += n_hits + n_misses;
-    row[2] += n_hits;
-    row[3] += n_misses;
-    row[4] += n_cache;
-    row[5] += n_cache - n_copied;
-    row[6] += n_stage;
-    row[7] += n_cpu;
-    row[8] += cpu_tokens;
-    row[9] += n_evicted;
+    row[ST_PLANS] += 1;
+    row[ST_REQUESTS] += n_hits + n_misses;
+    row[ST_HITS] += n_hits;
+    row[ST_MISSES] += n_misses;
+    row[ST_COPIES] += n_cache;
+    row[ST_PREFETCHES] += n_cache - n_copied;
+    row[ST_STAGED] += n_stage;
+    row[ST_CPU_EXPERTS] += n_cpu;
+    row[ST_CPU_TOKENS] += cpu_tokens;
+    row[ST_EVICTIONS] += n_evicted;
     int64_t sizes[N_OUT] = {n_hits, n_misses, n_gpu, n_cache, n_cache, n_stage, n_stage,
                             n_cpu, n_cpu, n_evicted, E};
     pack(b, o, sizes, L.slot_of, n_free);
@@ -504,4 +505,75 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
                                              stage_e, stage_s, n_stage)
                                 : 0;
     return 0;
+}
+
+/* -- the contract: what the Python mirrors are checked against on load (oled.policies.native) */
+
+static const ContractRow BIND_FIELDS[] = {
+    FIELD(Bind, num_layers), FIELD(Bind, num_experts), FIELD(Bind, stage_capacity),
+    FIELD(Bind, stats_alpha), FIELD(Bind, slot_of), FIELD(Bind, expert_in), FIELD(Bind, capacity),
+    FIELD(Bind, ws), FIELD(Bind, reuse), FIELD(Bind, samples), FIELD(Bind, prev_used),
+    FIELD(Bind, stats), FIELD(Bind, ret_kind), FIELD(Bind, ret_flag), FIELD(Bind, priority),
+    FIELD(Bind, masked), FIELD(Bind, stable), FIELD(Bind, current), FIELD(Bind, ret_a),
+    FIELD(Bind, ret_b), FIELD(Bind, comp_kind), FIELD(Bind, comp_int), FIELD(Bind, comp_a),
+    FIELD(Bind, learned), FIELD(Bind, loaded), FIELD(Bind, seen), FIELD(Bind, copy_per),
+    FIELD(Bind, copy_fixed), FIELD(Bind, cpu_fixed), FIELD(Bind, cpu_tok), FIELD(Bind, scratch),
+    FIELD(Bind, ids), FIELD(Bind, weights), FIELD(Bind, routing_cap), FIELD(Bind, out),
+    FIELD(Bind, maps), FIELD(Bind, map_rows),
+};
+/* The policy classes (oled.policies.retention, .compensation) each kind implements. */
+static const ContractRow RETENTION_KINDS[] = {
+    ENTRY("LRURetention", RET_LRU), ENTRY("LFURetention", RET_LFU),
+    ENTRY("ScoreEMARetention", RET_SCORE_EMA), ENTRY("ConfidenceRetention", RET_CONFIDENCE),
+};
+static const ContractRow COMPENSATION_KINDS[] = {
+    ENTRY("TransferOnly", COMP_TRANSFER), ENTRY("Resident", COMP_TRANSFER),
+    ENTRY("CpuOnly", COMP_CPU), ENTRY("BatchThreshold", COMP_BATCH),
+    ENTRY("MakespanCompensation", COMP_MAKESPAN),
+    ENTRY("CooperativeCompensation", COMP_COOPERATIVE), ENTRY("IntervalRefresh", COMP_INTERVAL),
+    ENTRY("StaticHot", COMP_STATIC_HOT),
+};
+static const ContractRow COUNTER_NAMES[] = {
+    ENTRY("plans", ST_PLANS), ENTRY("requests", ST_REQUESTS), ENTRY("hits", ST_HITS),
+    ENTRY("misses", ST_MISSES), ENTRY("copies", ST_COPIES), ENTRY("prefetches", ST_PREFETCHES),
+    ENTRY("staged", ST_STAGED), ENTRY("cpu_experts", ST_CPU_EXPERTS),
+    ENTRY("cpu_tokens", ST_CPU_TOKENS), ENTRY("evictions", ST_EVICTIONS),
+    ENTRY("predicted", ST_PREDICTED), ENTRY("predicted_hits", ST_PREDICTED_HITS),
+};
+static const ContractRow REGION_NAMES[] = {
+    ENTRY("hits", OUT_HITS), ENTRY("misses", OUT_MISSES), ENTRY("gpu_experts", OUT_GPU),
+    ENTRY("copy_experts", OUT_COPY_E), ENTRY("copy_slots", OUT_COPY_S),
+    ENTRY("stage_experts", OUT_STAGE_E), ENTRY("stage_slots", OUT_STAGE_S),
+    ENTRY("cpu_experts", OUT_CPU_E), ENTRY("cpu_tokens", OUT_CPU_T),
+    ENTRY("evicted", OUT_EVICTED), ENTRY("counts", OUT_COUNTS),
+};
+static const ContractRow HEADER_NAMES[] = {
+    ENTRY("slot_map", H_SLOT_MAP), ENTRY("end", H_END), ENTRY("free", H_FREE),
+    ENTRY("map_rows", H_MAP_ROWS),
+};
+static const ContractRow MAP_NAMES[] = {
+    ENTRY("hit", MAP_HIT), ENTRY("copied", MAP_COPIED), ENTRY("staged", MAP_STAGED),
+};
+_Static_assert(N_ROWS(COUNTER_NAMES) == N_STATS, "every counter has a name");
+_Static_assert(N_ROWS(REGION_NAMES) == N_OUT, "every region has a name");
+_Static_assert(H_MAP_ROWS < HEADER, "the header's fields fit it");
+
+static const Contract CONTRACT[] = {
+    STRUCT(Bind, BIND_FIELDS),
+    TABLE("retention kinds", RETENTION_KINDS),
+    TABLE("compensation kinds", COMPENSATION_KINDS),
+    TABLE("counters", COUNTER_NAMES),
+    TABLE("regions", REGION_NAMES),
+    TABLE("header", HEADER_NAMES),
+    TABLE("slot-map rows", MAP_NAMES),
+};
+
+int64_t oled_plan_contract(const Contract **out) {
+    *out = CONTRACT;
+    return N_ROWS(CONTRACT);
+}
+
+void oled_contract_sizes(int64_t *sizes) {
+    sizes[0] = (int64_t)sizeof(ContractRow);
+    sizes[1] = (int64_t)sizeof(Contract);
 }

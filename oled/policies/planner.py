@@ -4,7 +4,7 @@ Per MoE layer and forward, `Planner.plan` splits the routed experts into hits an
 compensation policy copy-or-CPU for each miss, picks eviction victims with the retention policy,
 and updates the layer's slot maps. Layers are MoE-layer indices in [0, num_layers).
 
-This module is the reference. For the built-in policies `plan` runs compiled (oled.offload.native,
+This module is the reference. For the built-in policies `plan` runs compiled (oled.policies.native,
 plan.c) over the same arrays, with the same decisions; any other policy plans here.
 """
 
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from oled.policies import with_oled_defaults
 from oled.policies.base import (
     AllocationPolicy,
     CompensationPolicy,
@@ -29,7 +30,7 @@ from oled.policies.base import (
 )
 
 if TYPE_CHECKING:
-    from oled.offload.native import CompiledPlan
+    from oled.policies.native import CompiledPlan
 
 HIT, COPIED, STAGED = 0, 1, 2  # rows of a layer's expert -> slot maps; STAGED + round
 _EMPTY = np.zeros(0, np.int64)
@@ -121,7 +122,7 @@ class Resize:
     keep: np.ndarray  # [N, 2] int32
 
 
-_COUNTERS = (
+COUNTERS = (  # PlannerStats' columns, in order (plan.c writes them by index)
     "plans", "requests", "hits", "misses", "copies", "prefetches",
     "staged", "cpu_experts", "cpu_tokens", "evictions", "predicted", "predicted_hits",
 )  # fmt: skip
@@ -138,19 +139,19 @@ class PlannerStats:
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
-        self.rows = [[0] * len(_COUNTERS) for _ in range(num_layers)]  # plain ints: cheap updates
-        self.compiled = np.zeros((num_layers, len(_COUNTERS)), np.int64)  # the compiled plans'
+        self.rows = [[0] * len(COUNTERS) for _ in range(num_layers)]  # plain ints: cheap updates
+        self.compiled = np.zeros((num_layers, len(COUNTERS)), np.int64)  # the compiled plans'
 
     def __getattr__(self, name: str) -> np.ndarray:
-        if name in _COUNTERS:
-            i = _COUNTERS.index(name)
+        if name in COUNTERS:
+            i = COUNTERS.index(name)
             return np.array([r[i] for r in self.rows], np.int64) + self.compiled[:, i]
         raise AttributeError(name)
 
     @staticmethod
     def counters() -> tuple[str, ...]:
         """Names of the counters."""
-        return _COUNTERS
+        return COUNTERS
 
     def hit_rate(self) -> float:
         """Hits over requests, all layers."""
@@ -158,7 +159,7 @@ class PlannerStats:
 
     def to_dict(self) -> dict[str, list[int]]:
         """JSON-friendly counters."""
-        return {n: getattr(self, n).tolist() for n in _COUNTERS}
+        return {n: getattr(self, n).tolist() for n in COUNTERS}
 
 
 class CopyAhead:
@@ -256,11 +257,45 @@ class Planner:
         self._maps: np.ndarray | None = None
         self.native = self._compile(compiled)
 
+    @classmethod
+    def for_model(
+        cls,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        total_slots: int,
+        *,
+        stage_capacity: int,
+        cost: CostModel,
+        allocation: AllocationPolicy | None = None,
+        retention: RetentionPolicy | None = None,
+        compensation: CompensationPolicy | None = None,
+        prefetch_limit: int = 0,
+        compiled: bool | None = None,
+    ) -> Planner:
+        """A planner for `num_layers` MoE layers of `num_experts` experts (top-k routing) over
+        `total_slots` cache slots, with the given policies and OLED's own where one is None
+        (oled.policies.with_oled_defaults); `compiled` as in Planner."""
+        policies = with_oled_defaults(
+            allocation=allocation, retention=retention, compensation=compensation
+        )
+        return cls(
+            num_layers=num_layers,
+            num_experts=num_experts,
+            top_k=top_k,
+            total_slots=total_slots,
+            stage_capacity=stage_capacity,
+            cost=cost,
+            prefetch_limit=prefetch_limit,
+            compiled=compiled,
+            **policies,
+        )
+
     def _compile(self, compiled: bool | None) -> CompiledPlan | None:
         """The compiled plan when wanted (None: where available) and the policies allow it."""
         if compiled is False:
             return None
-        from oled.offload import native
+        from oled.policies import native
 
         why = native.unsupported(self.retention, self.compensation)
         if why is not None:  # policies of one's own plan in Python
@@ -297,7 +332,7 @@ class Planner:
 
     @property
     def compiled(self) -> bool:
-        """Whether plans run compiled (oled.offload.native)."""
+        """Whether plans run compiled (oled.policies.native)."""
         return self.native is not None
 
     # -- allocation -------------------------------------------------------------------------
@@ -420,8 +455,42 @@ class Planner:
         if len(hits):
             ret.on_hit(layer, hits, self.step)
         prefetch, protect, want, want_reuse, cpu = self._decide(layer, counts, misses, load)
+        order, copy_experts, copy_slots, victims = self._fill(
+            layer, prefetch, want, want_reuse, protect
+        )
+        over, cpu = self._overflow(order[len(copy_slots) :], counts, cpu)
+        copied = copy_experts[counts[copy_experts] > 0] if len(prefetch) else copy_experts
+        plan = LayerPlan(
+            layer=layer,
+            slot_of=cache.slot_of.copy(),
+            gpu_experts=np.concatenate([hits, copied]) if len(copied) else hits,
+            copy_experts=copy_experts,
+            copy_slots=copy_slots,
+            stage_experts=over,
+            stage_slots=self._stage_slots(len(over)),
+            cpu_experts=cpu,
+            cpu_tokens=counts[cpu] if len(cpu) else _EMPTY,
+            hits=hits,
+            misses=misses,
+            evicted=victims,
+        )
+        plan.predicted_hits = self._count(layer, plan, counts, len(needed), len(copied))
+        if self._maps is not None:
+            plan.map_rows = write_maps(self._maps[layer], plan, self.stage_capacity)
+        return plan
 
-        # Cache slots: free ones first, then victims (cached, not needed, not refresh targets).
+    def _fill(
+        self,
+        layer: int,
+        prefetch: np.ndarray,
+        want: np.ndarray,
+        want_reuse: np.ndarray,
+        protect: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Cache slots for the refresh targets, then the wanted copies: free ones first, then
+        victims' (cached, not needed, not refresh targets); the highest reuse first when not all
+        fit. Places those that got a slot; returns (order: everything to load, the experts
+        placed: order's first ones, their slots, the victims)."""
         n_want = len(prefetch) + len(want)
         copy_slots, victims = self._room(layer, n_want, protect)
         n_cache = len(copy_slots)
@@ -430,57 +499,47 @@ class Planner:
         order = np.concatenate([prefetch, want]) if len(prefetch) else want
         copy_experts = order[:n_cache]
         if n_cache:
-            cache.place(copy_experts, copy_slots)
-            ret.on_insert(layer, copy_experts)
+            self.caches[layer].place(copy_experts, copy_slots)
+            self.retention.on_insert(layer, copy_experts)
+        return order, copy_experts, copy_slots, victims
 
-        # Overflow: needed copies go through the scratch stage (in rounds of stage_capacity
-        # when there are more of them than stage slots), or to the CPU when there is no stage;
-        # prefetches that found no slot drop.
-        over = _EMPTY
-        if n_cache < n_want:
-            over = order[n_cache:]
-            over = over[counts[over] > 0]
-            if not self.stage_capacity:
-                cpu, over = np.concatenate([cpu, over]), _EMPTY
-        n_stage = len(over)
-        copied = copy_experts[counts[copy_experts] > 0] if len(prefetch) else copy_experts
-        gpu = np.concatenate([hits, copied]) if len(copied) else hits
-        cpu_tokens = counts[cpu] if len(cpu) else _EMPTY
-        stage_slots = (
-            np.arange(n_stage, dtype=np.int64) % self.stage_capacity if n_stage else _EMPTY
-        )
+    def _overflow(
+        self, rest: np.ndarray, counts: np.ndarray, cpu: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """What found no cache slot (`rest`, in order): needed copies go through the scratch
+        stage (in rounds of stage_capacity when there are more of them than stage slots), or
+        to the CPU when there is no stage; prefetches drop. Returns (staged, cpu experts)."""
+        if not len(rest):
+            return _EMPTY, cpu
+        over = rest[counts[rest] > 0]
+        if not self.stage_capacity:
+            return _EMPTY, np.concatenate([cpu, over])
+        return over, cpu
 
+    def _stage_slots(self, n: int) -> np.ndarray:
+        """The stage slots of n staged experts: expert i in slot i % stage_capacity."""
+        return np.arange(n, dtype=np.int64) % self.stage_capacity if n else _EMPTY
+
+    def _count(
+        self, layer: int, plan: LayerPlan, counts: np.ndarray, n_needed: int, n_copied: int
+    ) -> int:
+        """Add a plan to the layer's counters (`n_copied`: the copied experts it needed);
+        returns its predicted hits (CopyAhead.score)."""
         row = self.stats.rows[layer]
         predicted_hits = self.ahead.score(layer, counts)  # of those copied at the layer before
+        n_cache, n_cpu = len(plan.copy_experts), len(plan.cpu_experts)
         row[11] += predicted_hits
         row[0] += 1
-        row[1] += len(needed)
-        row[2] += len(hits)
-        row[3] += len(misses)
+        row[1] += n_needed
+        row[2] += len(plan.hits)
+        row[3] += len(plan.misses)
         row[4] += n_cache
-        row[5] += n_cache - len(copied)
-        row[6] += n_stage
-        row[7] += len(cpu)
-        row[8] += int(cpu_tokens.sum()) if len(cpu) else 0
-        row[9] += len(victims)
-        plan = LayerPlan(
-            layer=layer,
-            slot_of=cache.slot_of.copy(),
-            gpu_experts=gpu,
-            copy_experts=copy_experts,
-            copy_slots=copy_slots,
-            stage_experts=over,
-            stage_slots=stage_slots,
-            cpu_experts=cpu,
-            cpu_tokens=cpu_tokens,
-            hits=hits,
-            misses=misses,
-            evicted=victims,
-            predicted_hits=predicted_hits,
-        )
-        if self._maps is not None:
-            plan.map_rows = write_maps(self._maps[layer], plan, self.stage_capacity)
-        return plan
+        row[5] += n_cache - n_copied
+        row[6] += len(plan.stage_experts)
+        row[7] += n_cpu
+        row[8] += int(plan.cpu_tokens.sum()) if n_cpu else 0
+        row[9] += len(plan.evicted)
+        return predicted_hits
 
     def predicts(self, layer: int) -> bool:
         """Whether the engine should predict `layer`'s routing in this forward (CopyAhead)."""
@@ -581,6 +640,30 @@ class Planner:
             self._reuse[layer] = overlap if k == 1 else r + a * (overlap - r)
         self._samples[layer] = k + 1
         self._prev_used[layer] = counts  # nonzero where used
+
+    # -- measurements: the arrays themselves, updated in place by every plan (the compiled
+    # planner binds their addresses); read them, never replace or write them
+
+    @property
+    def working_set(self) -> np.ndarray:
+        """[L] float64: each layer's EMA of the distinct experts a forward needs."""
+        return self._ws
+
+    @property
+    def reuse(self) -> np.ndarray:
+        """[L] float64: each layer's EMA of the share of its experts the previous forward
+        needed too."""
+        return self._reuse
+
+    @property
+    def samples(self) -> np.ndarray:
+        """[L] int64: the forwards each layer has measured."""
+        return self._samples
+
+    @property
+    def last_counts(self) -> np.ndarray:
+        """[L, E] int64: each layer's tokens per expert in its last forward."""
+        return self._prev_used
 
     @property
     def layer_stats(self) -> LayerStats:

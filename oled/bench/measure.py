@@ -1,0 +1,174 @@
+"""Benchmark rows: warm-up and timed runs of one configuration, summarised into figures."""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from oled import kernels
+from oled.bench.profile import host_breakdown, stage_breakdown
+from oled.bench.runs import (
+    BenchConfig,
+    TraceWorkload,
+    bench_decode,
+    random_prompt,
+    run_once,
+    run_replay,
+)
+from oled.decoding.decoder import median_p90
+from oled.decoding.follow import Trajectory
+from oled.offload.metrics import FIELDS, with_rates
+from oled.runtime import Runtime
+
+
+def bench_replay(rt: Runtime, cfg: BenchConfig, label: str, work: TraceWorkload) -> dict:
+    """One configuration on a trace's routing: warm-up replays, then `runs` timed passes over
+    the selected prompts (each prompt's replay one run), one row of figures. Every row replays
+    the same schedule, so no trajectory is followed; the prompt and generation lengths, block
+    length and threshold come from the trace."""
+    n = len(work.prompts)
+    for i in range(cfg.warmup_runs):
+        run_replay(rt, work.trace, work.prompts[i % n])
+    runs, offload, outputs, passes = [], [], [], []
+    for _ in range(cfg.runs):
+        for index in work.prompts:
+            stats, off, tokens = run_replay(rt, work.trace, index)
+            runs.append(stats)
+            outputs.append(tokens)
+            offload += [off] if off is not None else []
+        done = runs[-n:]  # this pass: every selected prompt once
+        passes.append(sum(s.new_tokens for s in done) / max(1e-9, sum(s.seconds for s in done)))
+    row = summarise(label, runs, offload)
+    row["tokens_per_second_passes"] = passes  # end to end, one figure per pass: the spread
+    _profile_into(row, rt, cfg, [], None, replay=(work.trace, work.prompts[0]))
+    row["output"] = _digest(outputs[0])
+    row["routing"] = {"trace": work.name, "prompts": list(work.prompts)}
+    return row | _execution(rt)
+
+
+def bench_runtime(
+    rt: Runtime, cfg: BenchConfig, label: str, trajectory: Trajectory | None = None
+) -> dict[str, Any]:
+    """One configuration: warm-up, timed runs, one row of figures.
+
+    With a `trajectory` the rows do the same work: an empty one records this row's first timed
+    run; a recorded one is followed by every run of this row, whose `agreement` is the share of
+    the followed commits where its own choice was the same token. A row whose prompt differs
+    (another tokenizer) decodes freely.
+    """
+    decode = bench_decode(rt, cfg)
+    prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
+    follow, record = _follow_or_record(trajectory, prompt)
+    for _ in range(cfg.warmup_runs):
+        run_once(rt, prompt, decode, follow=follow)
+    runs, offload, outputs = [], [], []
+    for i in range(cfg.runs):
+        stats, off, tokens = run_once(rt, prompt, decode, record * (i == 0), follow)
+        runs.append(stats)
+        outputs.append(tokens)
+        offload += [off] if off is not None else []
+    row = summarise(label, runs, offload)
+    _profile_into(row, rt, cfg, prompt, decode, follow=follow)
+    row["output"] = _digest(outputs[0])
+    row["block_length"], row["threshold"] = decode.block_length, decode.threshold
+    if follow is not None:
+        row["agreement"] = sum(s.agreed for s in runs) / max(1, sum(s.followed for s in runs))
+    return row | _execution(rt)
+
+
+def _follow_or_record(
+    trajectory: Trajectory | None, prompt: list[int]
+) -> tuple[Trajectory | None, list[Trajectory]]:
+    """(the trajectory to follow, or None; the observers that record one): a recorded
+    trajectory of this prompt is followed, an empty one records this prompt's."""
+    recorded = trajectory is not None and bool(trajectory.steps)
+    follow = trajectory if recorded and trajectory.prompt == tuple(prompt) else None
+    record = [trajectory] if trajectory is not None and not recorded else []
+    if record:
+        trajectory.prompt = tuple(prompt)
+    return follow, record
+
+
+def _profile_into(row: dict, rt: Runtime, cfg: BenchConfig, prompt: list[int], decode,
+                  follow=None, replay: tuple[Any, int] | None = None) -> None:  # fmt: skip
+    """With `cfg.profile`: the device stage times (CUDA only) and the host times, into `row`."""
+    if cfg.profile and rt.device.type == "cuda":
+        row["stages_ms_per_iteration"] = stage_breakdown(rt, prompt, decode, follow=follow,
+                                                         replay=replay)  # fmt: skip
+    if cfg.profile:
+        row["host_ms_per_iteration"] = host_breakdown(rt, prompt, decode, follow=follow,
+                                                      replay=replay)  # fmt: skip
+
+
+def _digest(tokens: list[int]) -> str:
+    """The tokens, short: equal digests, equal outputs."""
+    return hashlib.sha1(repr(tokens).encode()).hexdigest()[:12]
+
+
+def _execution(rt: Runtime) -> dict[str, Any]:
+    """How the row ran: the kernels in use and whether the forwards were CUDA graphs."""
+    graphs = bool(getattr(rt.forward, "graphed", False)) and rt.device.type == "cuda"
+    return {"kernels": kernels.describe(rt.device), "graphs": graphs}
+
+
+def summarise(label: str, runs: Sequence[Any], offload: Sequence[dict] = ()) -> dict[str, Any]:
+    """A row: iteration times over the decode iterations (a run's first forward runs the
+    prompt and is reported apart as `prompt_ms`), throughput over whole generations."""
+    ms = [m for s in runs for m in s.decode_ms]
+    median, p90 = median_p90(ms)
+    prompt = [s.prompt_ms for s in runs if s.prompt_ms is not None]
+    iterations = sum(s.iterations for s in runs)
+    tokens = sum(s.new_tokens for s in runs)
+    seconds = sum(s.seconds for s in runs)
+    row: dict[str, Any] = {
+        "label": label,
+        "ms_per_iteration_median": median,
+        "ms_per_iteration_p90": p90,
+        "ms_per_iteration_mean": statistics.fmean(ms),
+        "prompt_ms": statistics.median(prompt) if prompt else None,
+        "ms_per_forward_mean": 1000 * seconds / iterations if iterations else 0.0,  # all forwards
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "tokens_per_forward": tokens / iterations if iterations else 0.0,
+        "iterations": iterations,
+        "tokens": tokens,
+        "runs": len(runs),
+    }
+    if offload:
+        row["offload"] = _offload_summary(list(offload))
+    return row
+
+
+def _offload_summary(per_run: list[dict]) -> dict[str, float]:
+    """The engine's figures over the runs' decode iterations: rates, totals per iteration; and
+    the copies of the prompt forward."""
+    decode = with_rates(_sum(per_run, "decode"))
+    n = max(1, sum(o["decode"]["iterations"] for o in per_run))
+    out = {key: decode[key] for key in (
+        "hit_rate", "cpu_share", "host_us_per_layer", "plan_us_per_layer", "launch_us_per_layer",
+        "pass_us_per_layer", "sync_us_per_layer",
+    )}  # fmt: skip
+    for key in ("copies", "copy_bytes", "cpu_experts", "stall_ms", "copy_ms", "predicted"):
+        out[f"{key}_per_iteration"] = decode[key] / n
+    if decode["cpu_experts"]:  # the host's compute time per CPU expert
+        out["cpu_ms_per_expert"] = decode["cpu_ms"] / decode["cpu_experts"]
+    if decode["predicted"]:  # copied a layer ahead: the share that the layer then needed
+        out["predicted_used"] = decode["predicted_hits"] / decode["predicted"]
+    if out["copy_ms_per_iteration"]:  # bytes over the copy stream's busy time
+        out["copy_gb_per_s"] = out["copy_bytes_per_iteration"] / out["copy_ms_per_iteration"] / 1e6
+    out["prompt_copies"] = _sum(per_run, "prompt")["copies"] / len(per_run)
+    return out
+
+
+def _sum(per_run: list[dict], part: str) -> dict[str, float]:
+    """One part ("prompt" or "decode") of the engine's summaries, summed over runs."""
+    return {name: sum(o[part][name] for o in per_run) for name in FIELDS}
+
+
+def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's median ms per iteration as a ratio to the first row's."""
+    base = rows[0]["ms_per_iteration_median"] if rows else 0.0
+    for row in rows:
+        row["ms_ratio_to_first"] = row["ms_per_iteration_median"] / base if base else 0.0
+    return rows

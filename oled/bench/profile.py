@@ -1,0 +1,149 @@
+"""Profiler attribution: device time per forward stage, host time per stage and CUDA API call.
+
+A few iterations of one extra generation run under the torch profiler with the stage ranges of
+oled.model.stages annotated; every kernel and copy counts for the innermost stage that launched
+it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from oled.bench.runs import run_once, run_replay
+from oled.decoding import DecodeObserver
+from oled.model.stages import STAGES, annotate
+from oled.runtime import Runtime
+
+
+def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, follow=None,
+                    replay: tuple[Any, int] | None = None):  # fmt: skip
+    """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
+    iterations (after the prompt's) of one extra eager generation under the profiler: every
+    kernel and copy counts for the innermost stage that launched it. The graphs replay the same
+    kernels, so these are their times too. CPU experts count the host's milliseconds (engine
+    metrics), not device time."""
+    from oled.model.graphs import EagerForward
+
+    graphed, rt.forward = rt.forward, EagerForward(rt.model)
+    try:
+        window, off = _profiled(rt, prompt, decode, iterations, follow, device=True,
+                                replay=replay)  # fmt: skip
+    finally:
+        rt.forward = graphed
+    totals = _stage_device_us(window.profiler.events())
+    out = {name: us / 1000 / window.seen for name, us in totals.items()}
+    decode = off["decode"] if off is not None else {}
+    if decode.get("cpu_ms"):
+        out["CPU experts"] = decode["cpu_ms"] / max(1, decode["iterations"])
+    return out
+
+
+def host_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, follow=None,
+                   replay: tuple[Any, int] | None = None):  # fmt: skip
+    """Host milliseconds per iteration of each stage range (inclusive: `copies` lies inside
+    `host decision`) and of each CUDA API call (cudaGraphLaunch, cudaMemcpyAsync, ...), from a
+    few iterations of one more generation run as the runtime runs it (graphs kept) under a
+    CPU-only profiler: where the host path spends its time."""
+    window, _ = _profiled(rt, prompt, decode, iterations, follow, device=False, replay=replay)
+    totals: dict[str, float] = {}
+    for e in window.profiler.events():
+        if e.name in STAGES or _is_api_call(e.name):
+            totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us()
+    return {name: us / 1000 / max(1, window.seen) for name, us in totals.items()}
+
+
+def _profiled(rt: Runtime, prompt: list[int], decode, iterations: int, follow, *, device: bool,
+              replay: tuple[Any, int] | None = None):  # fmt: skip
+    """One generation (following `follow` if given; the replay of (trace, prompt index) if
+    `replay`) with iterations 1 .. `iterations` under the profiler: (the window, the engine's
+    figures)."""
+    window = _ProfileWindow(first=1, count=iterations, device=device)
+    try:
+        if replay is not None:
+            _, off, _ = run_replay(rt, *replay, [window])
+        else:
+            _, off, _ = run_once(rt, prompt, decode, [window], follow)
+    finally:
+        window.stop()
+    return window, off
+
+
+class _ProfileWindow(DecodeObserver):
+    """Profiles iterations first .. first + count - 1 of a generation, stages annotated; the
+    device timeline too unless `device` is False."""
+
+    def __init__(self, *, first: int, count: int, device: bool = True) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.first, self.count, self.seen, self.running = first, count, 0, False
+        activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * device
+        self.profiler = profile(activities=activities)
+
+    def on_iteration_start(self, block: int, iteration: int, step: int) -> None:
+        if step == self.first:
+            annotate(True)
+            self.profiler.start()
+            self.running = True
+
+    def on_iteration(self, info) -> None:
+        if self.running:
+            self.seen += 1
+            if self.seen == self.count:
+                self.stop()
+
+    def stop(self) -> None:
+        if self.running:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.stop()
+            annotate(False)
+            self.running = False
+
+
+def _stage_device_us(events) -> dict[str, float]:
+    """Microseconds of kernels and copies per innermost enclosing stage ('other' outside).
+
+    Each device event is found through its host API call (cudaLaunchKernel, cuLaunchKernelEx,
+    cudaMemcpyAsync, ...: the same correlation id), whose place in the host call tree names the
+    stage; this also places Triton's kernels, which no torch op launches. A device event whose
+    call the profiler did not record counts for the torch op it is linked to, if any.
+    """
+    totals: dict[str, float] = {}
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    calls = {e.id: e for e in events if e.device_type == cpu and _is_api_call(e.name)}
+    ops = {e.id: e for e in events if e.device_type == cpu and not _is_api_call(e.name)}
+    for event in events:
+        if event.device_type != cuda or not _device_work(event):
+            continue
+        call = calls.get(event.id)
+        if call is None:
+            call = ops.get(getattr(event, "linked_correlation_id", 0) or -1)
+        stage = _stage_of(call)
+        totals[stage] = totals.get(stage, 0.0) + event.time_range.elapsed_us()
+    return totals
+
+
+def _device_work(event) -> bool:
+    """A kernel, copy or memset: not a mirror of a stage range on the device timeline, nor a
+    synchronisation (both span other work)."""
+    kind = getattr(event, "activity_type", None)
+    if kind is not None:
+        return kind in ("kernel", "gpu_memcpy", "gpu_memset")
+    return not (getattr(event, "is_user_annotation", False) or event.name in STAGES
+                or "Sync" in event.name)  # fmt: skip
+
+
+def _is_api_call(name: str) -> bool:
+    """A CUDA runtime or driver call (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync...)."""
+    return name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper())
+
+
+def _stage_of(event) -> str:
+    """The innermost stage range enclosing a host event; 'other' without one."""
+    while event is not None:
+        if event.name in STAGES:
+            return event.name
+        event = event.cpu_parent
+    return "other"

@@ -1,0 +1,81 @@
+"""The benchmark's configuration, its workloads and one generation of a row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from oled.decoding.follow import Trajectory
+from oled.runtime import Runtime
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """The workload of a row: a seeded random prompt, the tokens generated, the passes. The
+    decoding settings are each row's runtime's (its recipe's, with the command's flags)."""
+
+    gen_length: int = 256
+    prompt_length: int = 512
+    warmup_runs: int = 1
+    runs: int = 3
+    seed: int = 0
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.gen_length, self.prompt_length, self.runs) < 1:
+            raise ValueError("gen and prompt length and runs must be at least 1")
+        if self.warmup_runs < 0:
+            raise ValueError("warmup runs must be >= 0")
+
+
+@dataclass(frozen=True)
+class TraceWorkload:
+    """A routing trace whose prompts (by index) a benchmark row replays instead of a random
+    prompt (oled.decoding.replay)."""
+
+    trace: Any
+    prompts: tuple[int, ...]
+    name: str = "trace"
+
+
+def random_prompt(rt: Runtime, length: int, seed: int) -> list[int]:
+    """Seeded random token ids, special tokens excluded."""
+    tok = rt.tokenizer
+    specials = {tok.mask_id, tok.eos_id, *tok.stop_ids}
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, rt.config.vocab_size, (length * 2,), generator=gen).tolist()
+    ids = [i for i in ids if i not in specials][:length]
+    if len(ids) < length:
+        raise ValueError("could not draw a random prompt of that length")
+    return ids
+
+
+def bench_decode(rt: Runtime, cfg: BenchConfig):
+    """The runtime's decoding settings with the benchmark's length and the prefix cache."""
+    return replace(rt.decode, max_new_tokens=cfg.gen_length, use_cache=True)
+
+
+def run_once(
+    rt: Runtime, prompt: list[int], decode, observers=(), follow: Trajectory | None = None
+) -> tuple[Any, dict | None, list[int]]:
+    """One generation (committing what `follow` committed, if given): its decoding statistics,
+    the offload engine's figures, its tokens."""
+    tokens: list[int] = []
+    for block in rt.stream(prompt, decode=decode, observers=observers, follow=follow):
+        tokens += block.new_tokens
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    return rt.last_stats, rt.offload_summary(), tokens
+
+
+def run_replay(rt: Runtime, trace, index: int, observers=()) -> tuple[Any, dict | None, list[int]]:
+    """One replay of traced prompt `index` (Runtime.replay_stream): its decoding statistics,
+    the offload engine's figures, its tokens."""
+    tokens: list[int] = []
+    for block in rt.replay_stream(trace, index, observers=observers):
+        tokens += block.new_tokens
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    return rt.last_stats, rt.offload_summary(), tokens

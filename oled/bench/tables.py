@@ -1,0 +1,135 @@
+"""Rich tables of benchmark rows: the figures, device time by stage, host time by call."""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any
+
+from oled.bench.report import machine
+from oled.model.stages import STAGES
+
+OFFLOAD_COLUMNS = [
+    "hit rate",
+    "copies/it",
+    "copy MB/it",
+    "CPU share",
+    "stall ms/it",
+    "copy ms/it",
+    "copy GB/s",
+    "host µs/layer",
+    "plan/launch/pass µs",
+    "sync µs/layer",
+]
+
+
+def table(rows: list[dict[str, Any]]):
+    """A rich table: latency first, then throughput, ratios and offload columns when present."""
+    from rich.table import Table
+
+    ratios = len(rows) > 1
+    offload = any("offload" in r for r in rows)
+    ahead = any(r.get("offload", {}).get("predicted_per_iteration") for r in rows)
+    out = Table(show_edge=False, header_style="bold", caption=_caption(rows))
+    for col in _columns(ratios, offload, ahead):
+        out.add_column(col, justify="left" if col == "config" else "right")
+    for r in rows:
+        out.add_row(*_cells(r, rows[0], ratios, offload, ahead))
+    return out
+
+
+def _caption(rows: list[dict[str, Any]]) -> str:
+    """The machine, torch, the date and the kernels the rows used."""
+    m = machine()
+    caption = f"{m['gpu'] if m['gpu'] != 'none' else platform.processor() or 'cpu'}, torch {m['torch']}, {time.strftime('%Y-%m-%d')}"
+    used = sorted({row["kernels"] for row in rows if "kernels" in row})
+    return caption + (f", kernels: {' / '.join(used)}" if used else "")
+
+
+def _columns(ratios: bool, offload: bool, ahead: bool) -> list[str]:
+    cols = ["config", "ms/iter p50", "ms/iter p90", "prompt ms", "tokens/s", "tokens/fwd"]
+    cols += ["ms vs 1st", "same tokens"] * ratios
+    cols += OFFLOAD_COLUMNS * offload
+    return cols + ["ahead/it (used)"] * ahead
+
+
+def _cells(r: dict[str, Any], first: dict[str, Any], ratios: bool, offload: bool,
+           ahead: bool) -> list[str]:  # fmt: skip
+    """One row's cells, in the order of `_columns`."""
+    cells = [r["label"], f"{r['ms_per_iteration_median']:.2f}",
+             f"{r['ms_per_iteration_p90']:.2f}", _fmt(r.get("prompt_ms"), "{:.1f}"),
+             f"{r['tokens_per_second']:.1f}",
+             f"{r['tokens_per_forward']:.2f}"]  # fmt: skip
+    same = "yes" if r.get("output") == first.get("output") else "no"
+    if r.get("agreement", 1.0) < 1.0:  # followed the first row; its own choices differed
+        same = f"own {r['agreement']:.1%}"
+    cells += [f"{r['ms_ratio_to_first']:.2f}x", same] * ratios
+    o = r.get("offload", {})
+    if offload:
+        cells += _offload_cells(o)
+    if ahead:
+        used = o.get("predicted_used")
+        cells.append(
+            _fmt(o.get("predicted_per_iteration")) + (f" ({used:.0%})" if used is not None else "")
+        )
+    return cells
+
+
+def _offload_cells(o: dict[str, Any]) -> list[str]:
+    """The cells under OFFLOAD_COLUMNS."""
+    return [_fmt(o.get("hit_rate"), "{:.1%}"), _fmt(o.get("copies_per_iteration")),
+            _fmt(o.get("copy_bytes_per_iteration"), "{:.1f}", 1e-6),
+            _fmt(o.get("cpu_share"), "{:.1%}"),
+            _fmt(o.get("stall_ms_per_iteration"), "{:.2f}"),
+            _fmt(o.get("copy_ms_per_iteration"), "{:.2f}"),
+            _fmt(o.get("copy_gb_per_s"), "{:.1f}"),
+            _fmt(o.get("host_us_per_layer"), "{:.0f}"),
+            _host_split(o),
+            _fmt(o.get("sync_us_per_layer"), "{:.0f}")]  # fmt: skip
+
+
+def stage_table(rows: list[dict[str, Any]]):
+    """Device milliseconds per iteration of each forward stage, a column per stage."""
+    from rich.table import Table
+
+    seen = {k for r in rows for k in r.get("stages_ms_per_iteration", {})}
+    names = [n for n in (*STAGES, "other") if n in seen]
+    title = "device ms per iteration by stage (kernels and copies; CPU experts: host ms)"
+    out = Table(show_edge=False, header_style="bold", title=title)
+    for col in ["config", *names, "sum"]:
+        out.add_column(col, justify="left" if col == "config" else "right")
+    for r in rows:
+        stages = r.get("stages_ms_per_iteration", {})
+        total = sum(v for k, v in stages.items() if k != "CPU experts") if stages else None
+        out.add_row(r["label"], *(_fmt(stages.get(n), "{:.3f}") for n in names),
+                    _fmt(total, "{:.3f}"))  # fmt: skip
+    return out
+
+
+def host_table(rows: list[dict[str, Any]], columns: int = 12):
+    """The host milliseconds per iteration of the stages and API calls that take the most."""
+    from rich.table import Table
+
+    peak: dict[str, float] = {}
+    for r in rows:
+        for name, ms in r.get("host_ms_per_iteration", {}).items():
+            peak[name] = max(peak.get(name, 0.0), ms)
+    names = sorted(peak, key=peak.get, reverse=True)[:columns]
+    title = "host ms per iteration by stage (inclusive) and CUDA API call (graphs as run)"
+    out = Table(show_edge=False, header_style="bold", title=title)
+    for col in ["config", *names]:
+        out.add_column(col, justify="left" if col == "config" else "right")
+    for r in rows:
+        host = r.get("host_ms_per_iteration", {})
+        out.add_row(r["label"], *(_fmt(host.get(n), "{:.3f}") for n in names))
+    return out
+
+
+def _host_split(offload: dict) -> str:
+    """The planner's, the copy launches' and the passes' parts of the host path, µs per layer."""
+    parts = [offload.get(f"{k}_us_per_layer") for k in ("plan", "launch", "pass")]
+    return "n/a" if None in parts else "/".join(f"{v:.0f}" for v in parts)
+
+
+def _fmt(value: float | None, pattern: str = "{:.1f}", scale: float = 1.0) -> str:
+    return "n/a" if value is None else pattern.format(value * scale)

@@ -1,0 +1,222 @@
+"""Loading recipes: read the TOML, apply overrides (`--set`, command-line flags), validate.
+
+`load_recipe` validates the whole file before any work starts; every error is one line that
+names the file, the line and the key (or the override that set it), with a close-match
+suggestion where one exists. `command_recipe` is how every command turns its input into the
+one spec a runtime is built from: flags over the recipe, the recipe over the schema's defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from oled import registry as reg
+from oled.recipe.locate import Locator, set_origins
+from oled.recipe.schema import (
+    DEFAULT_MODEL,
+    Component,
+    Recipe,
+    TuneSection,
+    WorkloadSection,
+    routing_trace,
+)
+from oled.recipe.toml import key_lines, line_of_error, tomllib
+from oled.registry import REQUIRED, ComponentImportError, UnknownComponentError
+
+
+class RecipeError(ValueError):
+    """A recipe that does not validate; `str()` is one line: `file:line: key: problem`."""
+
+
+def load_recipe(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    skip_params: Iterable[str] = (),
+) -> Recipe:
+    """Load, override (`a.b=value`, value parsed as TOML, else a string) and validate a recipe.
+
+    `skip_params`: policy kinds whose parameters are not checked (only their names are).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        line = getattr(exc, "lineno", None) or line_of_error(str(exc))
+        msg = getattr(exc, "msg", str(exc))
+        raise RecipeError(f"{path}:{line}: invalid TOML: {msg}") from None
+    keys = apply_overrides(raw, overrides)
+    origins = set_origins(sorted(keys))
+    recipe = validate(raw, source=path, lines=key_lines(text), origins=origins, skip=skip_params)
+    recipe._path = path
+    return recipe
+
+
+def override(
+    recipe: Recipe, values: Mapping[str, Any], origins: Mapping[str, str] | None = None
+) -> Recipe:
+    """A copy of `recipe` with dotted keys set and validated; errors name each key by its
+    origin (`origins[key]`, default `--set KEY`)."""
+    raw = recipe.data()
+    origins = {**set_origins(list(values)), **(origins or {})}
+    for key, value in values.items():
+        assign(raw, key.split("."), value, origins[key])
+    out = validate(raw, source=None, lines={}, origins=origins, base=recipe.folder)
+    out._path = recipe.path
+    return out
+
+
+def command_recipe(
+    recipe: Path | None,
+    model: str | None,
+    flags: Mapping[str, tuple[str, Any]],
+) -> Recipe:
+    """The spec a command builds its runtime from: the recipe file (else the schema's defaults
+    for `model`, else for the built-in default), then each flag the user gave, as
+    `{dotted key: (flag, value)}` with None for flags left out. Flags override the recipe, the
+    recipe overrides the schema's defaults; an invalid flag's error names the flag."""
+    given = {key: item for key, item in flags.items() if item[1] is not None}
+    if model is not None:
+        given["model.path"] = ("--model", model)
+    if recipe is not None:
+        base = load_recipe(recipe)
+    else:
+        base = validate({"model": {"path": DEFAULT_MODEL}}, source=None, lines={})
+    if not given:
+        return base
+    values = {key: value for key, (_, value) in given.items()}
+    return override(base, values, {key: flag for key, (flag, _) in given.items()})
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> set[str]:
+    """Apply `a.b=value` strings to raw recipe data; returns the overridden keys."""
+    keys: set[str] = set()
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise RecipeError(f"--set {item}: expected KEY=VALUE (e.g. decoding.threshold=0.9)")
+        assign(raw, key.split("."), parse_value(text.strip()), f"--set {key}")
+        keys.add(key)
+    return keys
+
+
+def parse_value(text: str) -> Any:
+    """A TOML value if `text` is one, else the text itself."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def assign(raw: dict[str, Any], parts: list[str], value: Any, origin: str) -> None:
+    """Set the value at the dotted key `parts` of raw recipe data."""
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise RecipeError(f"{origin}: {where} is a value, not a table")
+        node = child
+    node[parts[-1]] = value
+
+
+def validate(
+    raw: dict[str, Any],
+    *,
+    source: Path | None,
+    lines: dict[tuple[str, ...], int],
+    origins: Mapping[str, str] | None = None,
+    skip: Iterable[str] = (),
+    base: Path | None = None,
+) -> Recipe:
+    """Validate raw data into a Recipe, checking component params, tuned keys and the routing
+    trace (relative paths from `base`, by default the source's folder); `origins`: the
+    overridden keys and how the user gave each (Locator)."""
+    where = Locator(source, lines, origins or {})
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise RecipeError(where.describe(exc, Recipe)) from None
+    if base is None and source is not None:
+        base = source.parent
+    _check_routing(recipe.workload, where, base)
+    skip = set(skip)
+    for kind in reg.POLICY_KINDS:
+        component = getattr(recipe.policy, kind)
+        if component is not None:
+            _check_component(kind, component, where, check_params=kind not in skip)
+    if recipe.tune is not None:
+        _check_tuned_keys(raw, recipe.tune, where, skip)
+    return recipe
+
+
+def _check_routing(workload: WorkloadSection, where: Locator, base: Path | None) -> None:
+    """A trace routing names a readable trace file, and the prompt selection fits it."""
+    path = routing_trace(workload.routing, base)
+    if path is None:
+        if workload.trace_prompts is not None:
+            problem = "needs workload.routing = 'trace:PATH'"
+            raise RecipeError(where.line(("workload", "trace_prompts"), problem))
+        return
+    from oled.decoding.trace_file import prompt_count
+
+    try:
+        count = prompt_count(path)
+    except FileNotFoundError:
+        raise RecipeError(where.line(("workload", "routing"), f"no such file: {path}")) from None
+    except ValueError as exc:
+        raise RecipeError(where.line(("workload", "routing"), str(exc))) from None
+    from oled.decoding.replay import select_prompts
+
+    try:
+        select_prompts(workload.trace_prompts, count)
+    except ValueError as exc:
+        raise RecipeError(where.line(("workload", "trace_prompts"), str(exc))) from None
+
+
+def component_model(kind: str, name: str) -> type[BaseModel]:
+    """A pydantic model of a component's constructor parameters (plus `kind`)."""
+    fields: dict[str, Any] = {"kind": (Literal[name], ...)}  # type: ignore[valid-type]
+    for p in reg.params(kind, name):
+        fields[p.name] = (p.annotation, ... if p.default is REQUIRED else p.default)
+    config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    return create_model(f"{kind}:{name}", __config__=config, **fields)
+
+
+def _check_component(kind: str, component: Component, where: Locator, check_params: bool) -> None:
+    loc = ("policy", kind)
+    try:
+        reg.registry(kind).target(component.kind)
+        if not check_params:
+            return
+        model = component_model(kind, component.kind)
+    except (UnknownComponentError, ComponentImportError) as exc:
+        raise RecipeError(where.line(("policy", kind, "kind"), str(exc))) from None
+    try:
+        model.model_validate(component.model_dump())
+    except ValidationError as exc:
+        raise RecipeError(where.describe(exc, model, prefix=loc)) from None
+
+
+def _check_tuned_keys(
+    raw: dict[str, Any], tune: TuneSection, where: Locator, skip: Iterable[str]
+) -> None:
+    for key, space in tune.params.items():
+        trial = json.loads(json.dumps(raw))
+        trial.pop("tune", None)
+        try:
+            assign(trial, key.split("."), space.sample_value(), key)
+            validate(trial, source=None, lines={}, skip=skip)
+        except RecipeError as exc:
+            problem = str(exc).split(": ", 1)[-1]
+            raise RecipeError(where.line(("tune", "params", key), problem)) from None

@@ -1,0 +1,361 @@
+"""The recipe schema: a model, a budget, policies, decoding, a workload, tracking and a study.
+
+Every default a command uses lives here (decoding's come from `DecodeConfig`, which the decoder
+validates); commands and `--set` only override them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from oled import registry as reg
+from oled.decoding.config import DecodeConfig
+from oled.recipe.toml import dump_toml
+from oled.registry import suggest
+
+BUILTIN = "builtin:"
+DEFAULT_MODEL = "builtin:tiny"  # the trained default model shipped in the package
+TRACE = "trace:"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$")
+_UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as `"24GiB"` or `"500 MB"`."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (e.g. '24GiB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def registered_builtin(kind: str, value: str) -> str:
+    """`value`, checked to name a registered `kind` when it is `builtin:NAME`."""
+    if value.startswith(BUILTIN):
+        name = value.removeprefix(BUILTIN)
+        entries = reg.registry(kind)
+        if name not in entries:
+            raise ValueError(f"unknown {kind} '{name}'{suggest(name, entries.names())}")
+    return value
+
+
+class Strict(BaseModel):
+    """Base of every recipe section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ModelSection(Strict):
+    """Which checkpoint to run."""
+
+    path: str  # a checkpoint directory or builtin:NAME (a registered model preset)
+
+    @field_validator("path")
+    @classmethod
+    def _known_builtin(cls, value: str) -> str:
+        return registered_builtin("model", value)
+
+
+class BudgetSection(Strict):
+    """How much GPU memory experts may use: exactly one of the fields."""
+
+    expert_fraction: float | None = Field(None, gt=0, le=1)
+    expert_budget: int | None = Field(None, ge=1)  # slots of all MoE layers together
+    slots_per_layer: int | None = Field(None, ge=1)
+    gpu_memory: str | None = None
+    auto: Literal[True] | None = None
+    resident: Literal[True] | None = None
+
+    @field_validator("gpu_memory")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_size(value)
+        return value
+
+    def choice(self) -> tuple[str, Any]:
+        """The budget's kind (the one field that is set) and value: bytes for `gpu_memory`,
+        None for `auto` and `resident` (what oled.offload.budget.Budget takes)."""
+        ((kind, value),) = self.model_dump(exclude_none=True).items()
+        if kind == "gpu_memory":
+            return kind, parse_size(value)
+        return kind, None if value is True else value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> BudgetSection:
+        chosen = [k for k, v in self.model_dump().items() if v is not None]
+        if len(chosen) != 1:
+            names = ", ".join(type(self).model_fields)
+            raise ValueError(f"set exactly one of {names} (got {len(chosen)})")
+        return self
+
+
+class RuntimeSection(Strict):
+    """Device, precision and the expert budget."""
+
+    device: str = "auto"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    cpu_threads: int | None = Field(None, ge=1)
+    budget: BudgetSection = Field(default_factory=lambda: BudgetSection(resident=True))
+    stage_capacity: int = Field(8, ge=1)  # scratch slots for copies that are not cached
+    prefetch: int = Field(0, ge=0)  # experts per MoE layer copied a layer ahead (0 = off)
+    cost: str = "calibrate"  # "calibrate" or a cost profile name such as "h200"
+    cuda_graphs: bool = True  # replay forwards as CUDA graphs on CUDA (the same tokens)
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # fused Triton kernels on CUDA
+    planner: Literal["auto", "compiled", "python"] = "auto"  # host decisions (same decisions)
+
+    @field_validator("kernels", mode="before")
+    @classmethod
+    def _kernels(cls, value: Any) -> Any:
+        choices = ("auto", "triton", "torch")
+        if isinstance(value, str) and value not in choices:
+            raise ValueError(f"unknown kernels {value!r}; choose from {', '.join(choices)}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError(f"expected auto, cpu, cuda or cuda:N (got {value!r})")
+        return value
+
+
+DECODING = DecodeConfig()  # the decoding defaults
+
+
+class DecodingSection(Strict):
+    """Block diffusion decoding (oled.decoding.config)."""
+
+    block_length: int = Field(DECODING.block_length, ge=1)
+    threshold: float = Field(DECODING.threshold, gt=0, le=1)
+    max_new_tokens: int = Field(DECODING.max_new_tokens, ge=1)
+    temperature: float = Field(DECODING.temperature, ge=0)
+    seed: int = DECODING.seed
+    use_cache: bool = DECODING.use_cache  # keep a finished block's KV as the prefix
+
+    def config(self) -> DecodeConfig:
+        """The decoder's settings."""
+        return DecodeConfig(**self.model_dump())
+
+
+class Component(BaseModel):
+    """A policy component: `kind` names a registry entry, other keys are its parameters."""
+
+    model_config = ConfigDict(extra="allow")
+
+    kind: str
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class PolicySection(Strict):
+    """The three policy components; omitted ones are None (the runtime's default)."""
+
+    allocation: Component | None = None
+    retention: Component | None = None
+    compensation: Component | None = None
+
+    def build(self) -> dict[str, Any]:
+        """The policy objects by kind (None where a component is omitted)."""
+        return {kind: _build(kind, getattr(self, kind)) for kind in reg.POLICY_KINDS}
+
+
+def _build(kind: str, component: Component | None) -> Any:
+    return (
+        None if component is None else reg.registry(kind).build(component.kind, **component.params)
+    )
+
+
+class WorkloadSection(Strict):
+    """Prompts to generate from and how often."""
+
+    prompts: str = "builtin:short"  # builtin:NAME (a registered workload) or a JSONL path
+    warmup: int = Field(1, ge=0)
+    repeats: int = Field(1, ge=1)
+    chat: bool = True
+    follow: bool = False  # commit the all-resident model's tokens (Runtime.reference)
+    routing: str = "model"  # "model" (the routers') or "trace:PATH" (a routing replay)
+    trace_prompts: str | None = None  # with a trace: which of its prompts (I, A:B, list; all)
+
+    @field_validator("routing")
+    @classmethod
+    def _routing(cls, value: str) -> str:
+        if value != "model" and not (value.startswith(TRACE) and value.removeprefix(TRACE)):
+            raise ValueError(f"expected 'model' or 'trace:PATH' (got {value!r})")
+        return value
+
+    @field_validator("trace_prompts", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("prompts")
+    @classmethod
+    def _known_builtin(cls, value: str) -> str:
+        return registered_builtin("workload", value)
+
+
+class TrackingSection(Strict):
+    """Where results go."""
+
+    mlflow: bool = True
+    tracking_uri: str | None = None  # default: sqlite:///<cwd>/mlflow.db
+    experiment: str = "oled"
+    report_dir: str = "reports"
+
+
+class SearchSpace(Strict):
+    """One tuned key: `choices`, or `low`/`high` (with `int`, `log`, `step`)."""
+
+    low: float | None = None
+    high: float | None = None
+    choices: list[Any] | None = None
+    int_: bool = Field(False, alias="int")
+    log: bool = False
+    step: float | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> SearchSpace:
+        if self.choices is not None:
+            if self.low is not None or self.high is not None or not self.choices:
+                raise ValueError("give either a non-empty 'choices' or 'low' and 'high'")
+        elif self.low is None or self.high is None or self.low > self.high:
+            raise ValueError("give 'low' <= 'high' (or 'choices')")
+        return self
+
+    def sample_value(self) -> Any:
+        """A value inside the space (used to check that the tuned key exists)."""
+        if self.choices is not None:
+            return self.choices[0]
+        return int(self.low or 0) if self.int_ else self.low
+
+
+class TuneSection(Strict):
+    """An Optuna study over recipe keys."""
+
+    trials: int = Field(20, ge=1)
+    storage: str | None = None  # Optuna URL or journal:PATH; default sqlite:///<cwd>/optuna.db
+    study_name: str | None = None  # default: the recipe's name
+    objective: str = "simulate"  # a registered objective: simulate, run, ...
+    direction: Literal["minimize", "maximize"] = "minimize"
+    metric: str = "ms_per_iteration"
+    trace: str | None = None  # trace file for the simulate objective
+    seed: int | None = None
+    params: dict[str, SearchSpace] = Field(default_factory=dict)
+
+    @field_validator("objective")
+    @classmethod
+    def _known_objective(cls, value: str) -> str:
+        objectives = reg.registry("objective")
+        if value not in objectives:
+            raise ValueError(f"unknown objective '{value}'{suggest(value, objectives.names())}")
+        return value
+
+
+class Recipe(Strict):
+    """A whole experiment."""
+
+    model: ModelSection
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    decoding: DecodingSection = Field(default_factory=DecodingSection)
+    policy: PolicySection = Field(default_factory=PolicySection)
+    workload: WorkloadSection = Field(default_factory=WorkloadSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    tune: TuneSection | None = None
+
+    _path: Path | None = PrivateAttr(None)
+
+    @property
+    def path(self) -> Path | None:
+        """The file the recipe was loaded from, if any."""
+        return self._path
+
+    @property
+    def name(self) -> str:
+        """The file's stem, or `recipe`."""
+        return self._path.stem if self._path else "recipe"
+
+    @property
+    def folder(self) -> Path | None:
+        """The folder of the recipe's file: relative paths it names are looked up there first."""
+        return self._path.parent if self._path else None
+
+    def routing_trace(self) -> Path | None:
+        """The trace file that `workload.routing` replays (None: the model routes itself)."""
+        return routing_trace(self.workload.routing, self.folder)
+
+    def data(self) -> dict[str, Any]:
+        """The recipe as plain TOML-ready data (None values dropped)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    def flatten(self) -> dict[str, str]:
+        """Dotted keys to string values (for MLflow params)."""
+        return {key: _as_str(value) for key, value in _flat(self.data()).items()}
+
+    def hash(self) -> str:
+        """Short digest of what decides the measurement (tracking and tune excluded)."""
+        data = {k: v for k, v in self.data().items() if k not in ("tracking", "tune")}
+        for (section, key), default in HASHED_WHEN_SET.items():
+            if data[section].get(key) == default:
+                del data[section][key]
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def to_toml(self) -> str:
+        """The recipe as TOML text that `load_recipe` accepts again."""
+        return dump_toml(self.data())
+
+    def with_values(self, values: dict[str, Any], origins: dict[str, str] | None = None) -> Recipe:
+        """A copy with dotted keys set, validated; errors name each key by its `origins`
+        (default `--set KEY`)."""
+        from oled.recipe.load import override
+
+        return override(self, values, origins)
+
+
+def routing_trace(routing: str, base: Path | None = None) -> Path | None:
+    """The trace file of a `workload.routing` value (None for "model"): a relative path is
+    looked up next to the recipe (`base`) first, then from the working directory."""
+    if not routing.startswith(TRACE):
+        return None
+    return beside(routing.removeprefix(TRACE), base)
+
+
+def beside(spec: str | Path, base: Path | None = None) -> Path:
+    """A file a recipe names: a relative path next to the recipe (`base`) when it is there,
+    else from the working directory."""
+    path = Path(spec).expanduser()
+    if not path.is_absolute() and base is not None and (base / path).exists():
+        return base / path
+    return path
+
+
+# Keys added after recipes were first hashed: at these defaults a recipe hashes as before.
+HASHED_WHEN_SET = {
+    ("workload", "routing"): "model",
+    ("decoding", "use_cache"): True,
+    ("runtime", "stage_capacity"): 8,
+}
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out |= _flat(value, f"{name}.")
+        else:
+            out[name] = value
+    return out
+
+
+def _as_str(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)

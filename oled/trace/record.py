@@ -1,0 +1,75 @@
+"""Recording a runtime's routing while it decodes: the Trace of its prompts, or of a replay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from oled.decoding.observers import DecodeObserver, IterationInfo
+
+
+class _StepRecorder(DecodeObserver):
+    """Hands every iteration's token states to the trace recorder."""
+
+    def __init__(self, recorder) -> None:
+        self.recorder = recorder
+
+    def on_generation_start(self, prompt_length: int) -> None:
+        self.recorder.new_prompt()
+
+    def on_iteration(self, info: IterationInfo) -> None:
+        from oled.offload.engine import step_context
+
+        self.recorder.record_step(step_context(info))
+
+
+def recording(runtime):
+    """A recorder for `runtime`'s model and the two hooks that feed it.
+
+    Returns (recorder, observer, remove): pass `observer` to `Runtime.stream`; call `remove()`
+    to detach the routing hook.
+    """
+    from oled.trace.recorder import TraceRecorder
+
+    cfg = runtime.config
+    recorder = TraceRecorder(
+        num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok, expert_bytes=runtime.checkpoint.experts.expert_bytes,
+        hidden_size=cfg.hidden_size, model_path=str(runtime.checkpoint.path),
+    )  # fmt: skip
+
+    def hook(layer, ids, weights) -> None:
+        recorder.record_routing(layer, ids.cpu().numpy(), weights.float().cpu().numpy())
+
+    return recorder, _StepRecorder(recorder), runtime.model.add_routing_hook(hook)
+
+
+def record(runtime, prompt_ids: list[list[int]], *, decode=None, follow=None):
+    """Decode each prompt with `runtime` (its decode settings unless `decode`; committing
+    `follow`'s tokens if given), recording per forward and MoE layer the routing: the Trace."""
+    recorder, observer, remove = recording(runtime)
+    try:
+        for ids in prompt_ids:
+            for _ in runtime.stream(ids, decode=decode, observers=[observer], follow=follow):
+                pass
+    finally:
+        remove()
+    return recorder.build()
+
+
+def record_replay(runtime, trace, prompts=None):
+    """Replay `trace`'s prompts (indices; all by default) on `runtime` (Runtime.replay),
+    recording what the runtime routed, committed and reported: the Trace (the replayed one,
+    row for row, with weights at the recorder's precision)."""
+    recorder, observer, remove = recording(runtime)
+    try:
+        for index in range(len(runtime.routing_replay(trace))) if prompts is None else prompts:
+            runtime.replay(trace, index, observers=[observer])
+    finally:
+        remove()
+    return recorder.build()
+
+
+def record_trace(runtime, prompt_ids: list[list[int]], out: Path) -> Path:
+    """`record` the prompts' routing into the trace file `out`."""
+    record(runtime, prompt_ids).save(out)
+    return out
