@@ -12,16 +12,7 @@ and docs/routing-twin.md describe them); `--preset twin` trains the routing twin
 
 from __future__ import annotations
 
-# main, and the pieces that code loading this script by path reaches for
-from oled.train import (  # noqa: F401
-    TrainConfig,
-    TrainExperts,
-    dual_mask,
-    hidden_states,
-    init_model,
-    main,
-    parse_config,
-)
+from oled.train import main
 
 if __name__ == "__main__":
     main()

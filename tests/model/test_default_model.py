@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -71,17 +69,10 @@ def test_routing_uses_most_experts(runtime):
         assert len(experts) >= 0.75 * cfg.num_experts, (layer, len(experts))
 
 
-def _train_module():
-    spec = importlib.util.spec_from_file_location("train_default", ROOT / "tools/train_default.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_training_forward_matches_block_causal_decoding():
     """The noisy+clean copy forward gives each block what LLaDA2Model.forward gives it."""
-    T = _train_module()
+    import oled.train as T
+
     cfg = T.TrainConfig(
         hidden=64, layers=3, heads=2, kv_heads=1, head_dim=32, intermediate=64, experts=8,
         top_k=2, groups=2, topk_group=1, moe_intermediate=16, vocab_size=600,
@@ -108,7 +99,8 @@ def test_training_forward_matches_block_causal_decoding():
 
 def test_training_experts_match_a_loop_over_pairs_with_gradients():
     """The grouped training executor computes sum_k w_k * expert_k(x), gradients included."""
-    T = _train_module()
+    import oled.train as T
+
     cfg = T.parse_config(["--preset", "twin", "--hidden", "32", "--moe-intermediate", "8"])
     assert (cfg.layers, cfg.experts, cfg.top_k, cfg.groups, cfg.topk_group) == (20, 256, 8, 8, 4)
     mcfg = cfg.model_config()
