@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -236,22 +236,43 @@ def bench(
     flags = dict(device=device, dtype=dtype, cache_size=cache_size, graphs=graphs,
                  kernels=kernels, block_length=block_length, threshold=threshold)  # fmt: skip
     paths = [*(recipes or []), *([recipe] if recipe else [])]
-    specs = [(p.stem, command_spec(p, model, **flags)) for p in paths] or [
-        (row_name(model, cache_size), command_spec(None, model, **flags))
-    ]
-    works = [_trace_workload(spec, routing, prompts) for _, spec in specs]
-    if prompts is not None and not any(works):
+    if prompts is not None and routing is None and not paths:
         raise ValueError("--prompts selects traced prompts: give --routing trace:PATH")
-    _bench_rows(cfg, specs, works, follow, report_dir)
+    specs = [
+        (label, with_routing(spec, routing, prompts))
+        for label, spec in _row_specs(paths, model, cache_size, flags)
+    ]
+    _bench_rows(cfg, specs, [_trace_workload(spec) for _, spec in specs], follow, report_dir)
 
 
-def row_name(model: str | None, cache_size: int | None) -> str:
-    """A bench row's label without a recipe: the model's name, and its cache size if given."""
-    from oled.recipe import BUILTIN, DEFAULT_MODEL
+def _row_specs(paths: list[Path], model: str | None, cache_size: int | None,
+               flags: dict) -> list[tuple[str, Any]]:  # fmt: skip
+    """Each recipe with the flags over it, labelled by its stem; without recipes, one row of
+    the model, labelled by its name (and cache size)."""
+    if paths:
+        return [(p.stem, command_spec(p, model, **flags)) for p in paths]
+    spec = command_spec(None, model, **flags)
+    name = spec.model.name
+    return [(name if cache_size is None else f"{name} cache={cache_size}", spec)]
 
-    model = model or DEFAULT_MODEL
-    name = model.removeprefix(BUILTIN) if model.startswith(BUILTIN) else Path(model).name
-    return name if cache_size is None else f"{name} cache={cache_size}"
+
+def with_routing(spec: Any, routing: str | None, prompts: str | None) -> Any:
+    """A bench row's spec with `--routing` (a trace path from the working directory) and
+    `--prompts` over its workload; a `--routing` given selects `--prompts` of its trace (all
+    when not given), whatever the recipe selected."""
+    from oled.recipe import TRACE
+
+    values: dict[str, Any] = {}
+    if routing is not None:
+        if routing.startswith(TRACE) and routing.removeprefix(TRACE):
+            routing = TRACE + str(Path(routing.removeprefix(TRACE)).expanduser().resolve())
+        values = {"workload.routing": routing, "workload.trace_prompts": prompts}
+    elif prompts is not None:
+        values = {"workload.trace_prompts": prompts}
+    if not values:
+        return spec
+    origins = {"workload.routing": "--routing", "workload.trace_prompts": "--prompts"}
+    return spec.with_values(values, origins)
 
 
 def _bench_rows(cfg, specs, works, follow: bool, report_dir: Path | None) -> None:
@@ -300,34 +321,25 @@ def _bench_rows(cfg, specs, works, follow: bool, report_dir: Path | None) -> Non
 _TRACES: dict[Path, object] = {}  # traces loaded by this process, by path
 
 
-def _trace_workload(spec, routing: str | None, prompts: str | None):
-    """The trace workload (oled.bench.TraceWorkload) a bench row replays, or None: `--routing`
-    (paths from the working directory) over the row's recipe's `workload.routing`; checked
+def _trace_workload(spec):
+    """The trace workload (oled.bench.TraceWorkload) a bench row replays, or None: its
+    recipe's `workload.routing` and `trace_prompts` (validated with the recipe), checked
     against the row's model geometry before anything loads."""
     from oled.bench import TraceWorkload
     from oled.decoding.replay import check_geometry, select_prompts
     from oled.decoding.trace_file import Trace
     from oled.model.config import ModelConfig
-    from oled.recipe import TRACE, routing_trace
     from oled.runtime import resolve_model
 
-    if routing is not None:
-        if routing != "model" and not (routing.startswith(TRACE) and routing[len(TRACE) :]):
-            raise ValueError(f"--routing: expected 'model' or 'trace:PATH' (got {routing!r})")
-        path = routing_trace(routing)
-    else:
-        path = spec.routing_trace()
-        prompts = spec.workload.trace_prompts if prompts is None else prompts
+    path = spec.routing_trace()
     if path is None:
         return None
-    if not path.is_file():
-        raise ValueError(f"no such trace file: {path}")
     path = path.resolve()
     if path not in _TRACES:
         _TRACES[path] = Trace.load(path)
     trace = _TRACES[path]
     check_geometry(trace, ModelConfig.from_json(resolve_model(spec.model.path)))
-    chosen = select_prompts(prompts, len(trace.prompt_starts))
+    chosen = select_prompts(spec.workload.trace_prompts, len(trace.prompt_starts))
     return TraceWorkload(trace=trace, prompts=tuple(chosen), name=path.name)
 
 

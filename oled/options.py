@@ -9,11 +9,10 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from oled.recipe.schema import DEFAULT_MODEL, DecodingSection, RuntimeSection
+from oled.recipe.schema import DECODING, DEFAULT_MODEL, RUNTIME
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-RUNTIME, DECODING = RuntimeSection(), DecodingSection()  # the defaults, for the help texts
 
 ModelOpt = Annotated[
     str | None,

@@ -33,7 +33,8 @@ from oled.offload.predict import NextLayerRouting
 from oled.paths import cache_home
 from oled.policies.base import AllocationPolicy, CompensationPolicy, CostModel, RetentionPolicy
 from oled.policies.planner import Planner
-from oled.recipe import DEFAULT_MODEL, Recipe, RuntimeSection
+from oled.recipe import DEFAULT_MODEL, Recipe
+from oled.recipe.schema import RUNTIME
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -44,7 +45,6 @@ DTYPES = {
     "fp32": torch.float32,
 }
 BUILTIN = "builtin:"
-SETTINGS = RuntimeSection()  # the schema's runtime defaults
 RESIDENT_SUMMARY = {
     "resident": True, "hit_rate": 1.0, "hits": 0.0, "misses": 0.0, "copies": 0.0,
     "copy_bytes": 0.0, "cpu_experts": 0.0, "gpu_experts": 0.0, "cpu_share": 0.0,
@@ -319,22 +319,22 @@ def build(recipe: Recipe, *, progress: bool = False) -> Runtime:
 def build_runtime(
     *,
     model: str = DEFAULT_MODEL,
-    device: str = SETTINGS.device,
-    dtype: str = SETTINGS.dtype,
+    device: str = RUNTIME.device,
+    dtype: str = RUNTIME.dtype,
     budget: Budget | None = None,
     allocation: AllocationPolicy | None = None,
     retention: RetentionPolicy | None = None,
     compensation: CompensationPolicy | None = None,
-    cost: CostModel | str = SETTINGS.cost,
-    cpu_threads: int | None = SETTINGS.cpu_threads,
-    stage_capacity: int = SETTINGS.stage_capacity,
-    prefetch: int = SETTINGS.prefetch,
+    cost: CostModel | str = RUNTIME.cost,
+    cpu_threads: int | None = RUNTIME.cpu_threads,
+    stage_capacity: int = RUNTIME.stage_capacity,
+    prefetch: int = RUNTIME.prefetch,
     kv_tokens: int = KV_TOKENS,
     decode: DecodeConfig | None = None,
     progress: bool = False,
-    graphs: bool = SETTINGS.cuda_graphs,
-    kernels: str = SETTINGS.kernels,
-    planner: str = SETTINGS.planner,
+    graphs: bool = RUNTIME.cuda_graphs,
+    kernels: str = RUNTIME.kernels,
+    planner: str = RUNTIME.planner,
     driver: bool | None = None,
 ) -> Runtime:
     """Load a model under a GPU budget with the given policies (missing ones get OLED's).

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
 
+from oled.bench import random_prompt
 from oled.offload.budget import Budget
 from oled.runtime import build_runtime
 
@@ -29,8 +31,8 @@ def main() -> None:
     rt = build_runtime(model=args.model, device="cuda",
                        budget=Budget("expert_fraction", args.budget))  # fmt: skip
     log = instrument(rt.executor)
-    ids = seeded_prompt(rt, args.prompt_length)
-    decode = rt.decode.__class__(max_new_tokens=args.gen_length)
+    ids = random_prompt(rt, args.prompt_length, seed=0)
+    decode = replace(rt.decode, max_new_tokens=args.gen_length)
     for n in range(args.generations):
         log.clear()
         for _ in rt.stream(ids, decode=decode):
@@ -60,13 +62,6 @@ def instrument(engine) -> list[tuple]:
 
     planner.observe_cpu, engine._cpu_pairs = observe_cpu, cpu_pairs
     return log
-
-
-def seeded_prompt(rt, length: int) -> list[int]:
-    tok = rt.tokenizer
-    drawn = torch.randint(0, rt.config.vocab_size, (2 * length + 64,),
-                          generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
-    return [i for i in drawn if i not in {tok.mask_id, tok.eos_id, *tok.stop_ids}][:length]
 
 
 def report(label: str, n: int, a: np.ndarray, rt) -> None:

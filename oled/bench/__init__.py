@@ -13,7 +13,7 @@ Modules: `runs` (the configuration, workloads and one generation), `measure` (ro
 from __future__ import annotations
 
 from oled.bench.measure import bench_replay, bench_runtime, summarise, with_ratios
-from oled.bench.profile import _stage_device_us, host_breakdown, stage_breakdown
+from oled.bench.profile import host_breakdown, stage_breakdown
 from oled.bench.report import machine, write_report
 from oled.bench.runs import (
     BenchConfig,
@@ -30,7 +30,6 @@ __all__ = [
     "BenchConfig",
     "TraceWorkload",
     "Trajectory",
-    "_stage_device_us",
     "bench_decode",
     "bench_replay",
     "bench_runtime",

@@ -1,7 +1,7 @@
 /* The offload engine's static layer call in C (oled/offload/driver.py loads it with plan.c, from
  * oled/policies/): the plan (oled_plan), then every launch of the layer through the CUDA runtime,
- * in the order of the engine's Python path (oled/offload/launches.py): the copies into cache slots on the copy
- * stream between two timing events, the CPU experts' activations to pinned host memory, the
+ * in the order of the engine's Python path (oled/offload/launches.py): the copies into cache
+ * slots on the copy stream between two timing events, the CPU experts' activations to pinned host memory, the
  * slot maps, the hits' pass graph, the wait for the copies, the copied experts' pass graph,
  * then the staged rounds (each waits for the stage's earlier users, copies, waits, passes).
  *

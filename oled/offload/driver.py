@@ -1,8 +1,9 @@
 """The offload engine's static layer calls launched from C (drive.c, built with plan.c by
 oled.policies.native): after the routing sync one call plans the layer and issues every CUDA
 runtime call of it (copies, timing events, waits, slot maps, the passes' graph launches), in
-the order of the engine's Python path (oled.offload.launches), so the host path of a layer costs one ctypes call
-instead of dozens of Python-level launches (docs/performance-history.md, run 13).
+the order of the engine's Python path (oled.offload.launches), so the host path of a layer
+costs one ctypes call instead of dozens of Python-level launches (docs/performance-history.md,
+run 13).
 
 Used for a layer call when the planner runs compiled, no copies ahead are made, the call's
 passes have been captured as CUDA graphs (the engine's Python path captures them on their

@@ -56,6 +56,13 @@ class ModelSection(Strict):
 
     path: str  # a checkpoint directory or builtin:NAME (a registered model preset)
 
+    @property
+    def name(self) -> str:
+        """The built-in's name or the checkpoint directory's."""
+        if self.path.startswith(BUILTIN):
+            return self.path.removeprefix(BUILTIN)
+        return Path(self.path).expanduser().resolve().name or self.path
+
     @field_validator("path")
     @classmethod
     def _known_builtin(cls, value: str) -> str:
@@ -126,6 +133,7 @@ class RuntimeSection(Strict):
         return value
 
 
+RUNTIME = RuntimeSection()  # the runtime defaults
 DECODING = DecodeConfig()  # the decoding defaults
 
 

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
-from oled.recipe import BUILTIN, Recipe
+from oled.recipe import Recipe
 
 
 def served_name(spec: Recipe) -> str:
-    """The model id clients use: the recipe's stem, the built-in's name or the directory's."""
-    if spec.path is not None:
-        return spec.path.stem
-    model = spec.model.path
-    if model.startswith(BUILTIN):
-        return model.removeprefix(BUILTIN)
-    return Path(model).expanduser().resolve().name or model
+    """The model id clients use: the recipe's stem, else the model's name."""
+    return spec.name if spec.path is not None else spec.model.name
 
 
 def run_server(spec: Recipe, *, host: str, port: int, model_name: str, max_tokens: int,

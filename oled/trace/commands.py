@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from oled.options import DECODING
+from oled.recipe.schema import DECODING
 
 trace_app = typer.Typer(help="Record routing traces.", no_args_is_help=True)
 console = Console(highlight=False, soft_wrap=True)

@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from oled import bench
+from oled.bench.profile import _stage_device_us
 from oled.cli import app
 from oled.decoding.decoder import GenerationStats
 from oled.offload.metrics import EngineMetrics
@@ -221,7 +222,7 @@ def test_stage_times_go_to_the_innermost_stage():
                device(9, 30.0, linked=502), device(4, 4.0, linked=503), device(8, 0.5),
                device(10, 99.0, kind="gpu_user_annotation", name="routing"),
                device(11, 50.0, kind="cuda_sync", name="Stream Sync")]  # fmt: skip
-    assert bench._stage_device_us(flat + kernels) == {
+    assert _stage_device_us(flat + kernels) == {
         "attention": 5.0, "copies": 7.0, "routing": 3.0, "grouped GEMM": 30.0, "other": 4.5,
     }  # fmt: skip
 
