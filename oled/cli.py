@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -17,7 +18,12 @@ app = typer.Typer(
 )
 model_app = typer.Typer(help="Create and inspect checkpoints.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
-from oled.options import console, user_errors  # noqa: E402
+from oled.options import console, show_warning, user_errors  # noqa: E402
+
+
+@app.callback()
+def _every_command() -> None:
+    warnings.showwarning = show_warning  # the command line's warnings are one line each
 
 
 @model_app.command("init")
@@ -51,12 +57,15 @@ def model_init(
 @model_app.command("info")
 @user_errors
 def model_info(model: Annotated[str, typer.Argument(help="Checkpoint directory or builtin:NAME.")]):
-    """Show a checkpoint's shape, expert sizes and memory needs."""
+    """Show a checkpoint's shape, expert sizes and memory needs; check its shards' headers and
+    sizes (no weight is read)."""
+    from oled.model.checkpoint import check_shards
     from oled.model.config import ModelConfig
     from oled.runtime import resolve_model
 
     path = resolve_model(model)
     cfg = ModelConfig.from_json(path)
+    shards, size = check_shards(path, cfg)
     expert_mib = cfg.expert_params() * 2 / 2**20
     total_experts = cfg.num_moe_layers * cfg.num_experts
     rows = [
@@ -70,6 +79,7 @@ def model_info(model: Annotated[str, typer.Argument(help="Checkpoint directory o
                     f"{cfg.num_shared_experts} shared"),
         ("one expert (bf16)", f"{expert_mib:.2f} MiB"),
         ("all routed experts (bf16)", f"{total_experts * expert_mib / 1024:.2f} GiB"),
+        ("shards", f"{shards} ({size / 2**20:.1f} MiB; headers, sizes and shapes checked)"),
     ]  # fmt: skip
     for key, value in rows:
         console.print(f"{key:>28}: {value}")

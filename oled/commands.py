@@ -24,6 +24,7 @@ from oled.options import (
     ModelOpt,
     RecipeOpt,
     SeedOpt,
+    StepsOpt,
     TemperatureOpt,
     ThresholdOpt,
     command_spec,
@@ -46,15 +47,23 @@ def generate(
     max_tokens: MaxTokensOpt = None,
     block_length: BlockOpt = None,
     threshold: ThresholdOpt = None,
+    steps: StepsOpt = None,
     temperature: TemperatureOpt = None,
     seed: SeedOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="No chat format: continue the text.")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the prefix.")] = False,
 ) -> None:
     """Generate an answer, streaming each finished block, then print decoding statistics."""
+    from oled.model.tokenizer import check_text
+
+    if not prompt.strip():
+        raise ValueError(
+            "the prompt is empty: give the text to answer (or to continue, with --raw)"
+        )
+    check_text(prompt, "the prompt")
     spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
                         graphs=graphs, kernels=kernels, block_length=block_length,
-                        threshold=threshold, max_tokens=max_tokens, temperature=temperature,
+                        threshold=threshold, steps=steps, max_tokens=max_tokens, temperature=temperature,
                         seed=seed, use_cache=False if no_cache else None)  # fmt: skip
     rt = load(spec, progress=True)
     ids = rt.prompt_ids(prompt, chat=not raw)
@@ -89,6 +98,7 @@ def serve(
     kernels: KernelsOpt = None,
     block_length: BlockOpt = None,
     threshold: ThresholdOpt = None,
+    steps: StepsOpt = None,
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", help="Upper bound a request may ask for.")
     ] = 4096,
@@ -113,7 +123,7 @@ def serve(
 
     spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
                         graphs=graphs, kernels=kernels, block_length=block_length,
-                        threshold=threshold, max_tokens=default_max_tokens,
+                        threshold=threshold, steps=steps, max_tokens=default_max_tokens,
                         max_tokens_flag="--default-max-tokens")  # fmt: skip
     run_server(spec, host=host, port=port, model_name=served_model_name or served_name(spec),
                max_tokens=max_tokens, api_key=api_key)  # fmt: skip
@@ -130,6 +140,7 @@ def chat(
     kernels: KernelsOpt = None,
     block_length: BlockOpt = None,
     threshold: ThresholdOpt = None,
+    steps: StepsOpt = None,
     max_tokens: MaxTokensOpt = None,
     temperature: TemperatureOpt = None,
     seed: SeedOpt = None,
@@ -137,10 +148,13 @@ def chat(
 ) -> None:
     """Chat in the terminal: streams each finished block; /help lists the commands."""
     from oled.chat import ChatSession, run_chat, setup_readline
+    from oled.model.tokenizer import check_text
 
+    if system is not None:
+        check_text(system, "--system")
     spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
                         graphs=graphs, kernels=kernels, block_length=block_length,
-                        threshold=threshold, max_tokens=max_tokens, temperature=temperature,
+                        threshold=threshold, steps=steps, max_tokens=max_tokens, temperature=temperature,
                         seed=seed)  # fmt: skip
     rt = load(spec)
     setup_readline()
@@ -189,6 +203,7 @@ def bench(
     gen_length: Annotated[int, typer.Option(help="Tokens generated per run.")] = 256,
     block_length: BlockOpt = None,
     threshold: ThresholdOpt = None,
+    steps: StepsOpt = None,
     max_tokens: Annotated[
         int | None, typer.Option("--max-tokens", help="Same as --gen-length.")
     ] = None,
@@ -203,10 +218,12 @@ def bench(
     follow: Annotated[
         bool,
         typer.Option(
-            help="Rows after the first commit the first row's tokens, so that all do the same "
-            "work (CPU experts agree with the GPU to a tolerance only)."
+            help="Every row commits the resident model's tokens, so that all do the same work "
+            "(CPU experts agree with the GPU to a tolerance only); one more untimed run per "
+            "row measures the free-running agreement. Default: rows run free and each timed "
+            "run is compared with the resident tokens."
         ),
-    ] = True,
+    ] = False,
     routing: Annotated[
         str | None,
         typer.Option(
@@ -234,7 +251,7 @@ def bench(
     cfg = b.BenchConfig(gen_length=max_tokens or gen_length, prompt_length=prompt_length,
                         warmup_runs=warmup_runs, runs=runs, seed=seed, profile=profile)  # fmt: skip
     flags = dict(device=device, dtype=dtype, cache_size=cache_size, graphs=graphs,
-                 kernels=kernels, block_length=block_length, threshold=threshold)  # fmt: skip
+                 kernels=kernels, block_length=block_length, threshold=threshold, steps=steps)  # fmt: skip
     paths = [*(recipes or []), *([recipe] if recipe else [])]
     if prompts is not None and routing is None and not paths:
         raise ValueError("--prompts selects traced prompts: give --routing trace:PATH")
@@ -284,7 +301,6 @@ def _bench_rows(cfg, specs, works, follow: bool, report_dir: Path | None) -> Non
     from oled.runtime import build
 
     rows, used, report = [], "cpu", None
-    trajectory = b.Trajectory() if follow else None
     for (label, spec), work in zip(specs, works, strict=True):
         rt = build(spec)
         used = str(rt.device)
@@ -300,13 +316,13 @@ def _bench_rows(cfg, specs, works, follow: bool, report_dir: Path | None) -> Non
             err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed "
                               f"runs, prompt {cfg.prompt_length}, {cfg.gen_length} tokens"
                               "[/dim]")  # fmt: skip
-            rows.append(b.bench_runtime(rt, cfg, label, trajectory))
+            rows.append(b.bench_runtime(rt, cfg, label, follow))
         if report_dir is not None and len(specs) > 1:
             report = b.write_report(report_dir, cfg, rows, used, report)
         del rt
         gc.collect()
     rows = b.with_ratios(rows)
-    out = Console(highlight=False, width=max(225, Console().width))  # 16 columns fit
+    out = Console(highlight=False, width=max(270, Console().width))  # 22 columns fit
     out.print(b.table(rows))
     if any("stages_ms_per_iteration" in r for r in rows):
         out.print(b.stage_table(rows))

@@ -156,6 +156,27 @@ def pinned_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
+def calibration_rows(report: Report) -> None:
+    """The cost models measured on this machine and stored (oled.offload.calibrate): the
+    decisions of `runtime.cost = "calibrate"` read them back, so they repeat from run to run."""
+    from oled.offload.calibrate import stored_calibrations
+    from oled.paths import cache_home
+
+    folder = cache_home() / "cost"
+    stored = stored_calibrations(folder)
+    if not stored:
+        report.add("cost calibrations", f"none yet in {folder} (the first offloaded run measures)")
+    for c in stored:
+        k, cost = c.parts, c.cost
+        report.add(
+            f"cost {c.file.stem.removeprefix('cost-')}",
+            f"{c.measured}, {k['device']}, experts {k['expert shape']} {k['dtype']}, "
+            f"{k['threads']} threads: copy {cost.copy_ms_per_expert:.3g} ms/expert, CPU expert "
+            f"{cost.cpu_fixed_ms:.3g} + {cost.cpu_ms_per_token:.3g} ms/token, GPU "
+            f"{cost.gpu_fixed_ms:.3g} + {cost.gpu_ms_per_expert:.3g} ms/expert",
+        )
+
+
 def package_rows(report: Report) -> None:
     for name in PACKAGES:
         try:
@@ -174,6 +195,7 @@ def collect(*, require_cuda: bool = False, bandwidth: bool = True) -> Report:
     report.add("torch", torch.__version__)
     cuda_rows(report, bandwidth=bandwidth)
     cpu_rows(report)
+    calibration_rows(report)
     package_rows(report)
     if require_cuda and not torch.cuda.is_available():
         build = torch.version.cuda

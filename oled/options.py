@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from oled.recipe.schema import DECODING, DEFAULT_MODEL, RUNTIME
 
@@ -50,6 +54,14 @@ ThresholdOpt = Annotated[
     float | None,
     typer.Option(
         help=f"Commit confidence threshold (default: the recipe's, else {DECODING.threshold})."
+    ),
+]
+StepsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--steps",
+        help="Denoising steps per block: at least block-length / steps commits per forward, "
+        "as LLaDA2's own generate (default: the recipe's, else at least one a forward).",
     ),
 ]
 MaxTokensOpt = Annotated[
@@ -96,6 +108,7 @@ def runtime_flags(
     kernels: str | None = None,
     block_length: int | None = None,
     threshold: float | None = None,
+    steps: int | None = None,
     max_tokens: int | None = None,
     temperature: float | None = None,
     seed: int | None = None,
@@ -113,6 +126,7 @@ def runtime_flags(
         "runtime.kernels": ("--kernels", kernels),
         "decoding.block_length": ("--block-length", block_length),
         "decoding.threshold": ("--threshold", threshold),
+        "decoding.steps": ("--steps", steps),
         "decoding.max_new_tokens": (max_tokens_flag, max_tokens),
         "decoding.temperature": ("--temperature", temperature),
         "decoding.seed": ("--seed", seed),
@@ -144,15 +158,62 @@ def load(spec: Any, *, progress: bool = False) -> Any:
     return rt
 
 
+def fail(message: str) -> typer.Exit:
+    """Print `message` as one red `error:` line on stderr (as text: brackets in it stay); the
+    exit (code 2) to raise."""
+    err_console.print(f"[red]error:[/red] {escape(message)}")
+    return typer.Exit(2)
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one yellow `warning:` line on stderr (warnings.showwarning's signature)."""
+    err_console.print(f"[yellow]warning:[/yellow] {escape(str(message))}")
+
+
 def user_errors(fn):
-    """Expected failures (bad input, missing files) -> one red line and exit code 2."""
+    """Expected failures (bad input, missing files, what this machine lacks: ValueError and
+    OSError) -> one red line and exit code 2."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, OSError) as err:
-            err_console.print(f"[red]error:[/red] {err}")
-            raise typer.Exit(2) from None
+        except (ValueError, OSError) as err:
+            raise fail(str(err)) from None
 
     return wrapper
+
+
+def check_writable(path: Path, flag: str) -> Path:
+    """`path`, checked before any work to be a file this process can create or replace (its
+    folder exists and takes a new file); ValueError naming `flag` otherwise."""
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory, not a file")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: no such directory {folder}")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot write in {folder} ({err.strerror})") from None
+    return path
+
+
+def save_or_keep(save: Callable[[Path], object], path: Path, what: str) -> None:
+    """`save(path)`; should that fail, `save` to a new file in the temporary directory and
+    raise an OSError that says where `what` is kept (nothing computed is lost)."""
+    try:
+        save(path)
+    except Exception as err:  # the writers raise their own error types for OSErrors too
+        problem = getattr(err, "strerror", None) or str(err)
+        fd, kept = tempfile.mkstemp(prefix=f"{path.stem}-", suffix=path.suffix)
+        os.close(fd)
+        try:
+            save(Path(kept))
+        except Exception:
+            os.unlink(kept)
+            raise err from None
+        raise OSError(
+            f"cannot write {path} ({problem}); the {what} is kept at {kept} instead"
+        ) from None

@@ -12,7 +12,7 @@ import contextlib
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,9 @@ class Generation:
     stats: GenerationStats
 
 
+REFERENCE_LOGITS = 8  # a reference keeps each position's 8 largest logits (Agreement)
+
+
 class Runtime:
     """Model, tokenizer and expert execution on one device; decodes prompts."""
 
@@ -123,8 +126,10 @@ class Runtime:
         observers: Sequence[DecodeObserver] = (),
         graphs: bool = True,
         kernels: str = "auto",
+        costs: dict[str, Any] | None = None,
     ) -> None:
         fused_kernels.check(kernels, device)
+        self.costs = costs  # where the decisions' cost model comes from, and its figures
         fused_kernels.use(kernels)
         self.kernels = kernels
         self.checkpoint = checkpoint
@@ -140,6 +145,14 @@ class Runtime:
             if graphs and device.type == "cuda"
             else EagerForward(checkpoint.model)
         )
+
+    def decisions(self) -> dict[str, Any] | None:
+        """How the offload decisions are made, for reports (None when every expert is
+        resident): the cost model's source and figures, and whether a policy adapts live."""
+        planner = getattr(self.executor, "planner", None)
+        if planner is None:
+            return None
+        return {"adaptive": planner.adaptive, "costs": self.costs}
 
     @property
     def tokenizer(self):
@@ -281,13 +294,16 @@ class Runtime:
         the all-resident model's tokens, bit for bit, whatever the policies and budget. Runs
         that follow it (`generate(..., follow=)`) do the same work, so runs with CPU experts
         (which agree with the device only to a tolerance) compare like for like."""
-        trajectory = Trajectory()
-        ids = self.prompt_ids(prompt, chat=chat)
         cfg = replace(decode or self.decode, **overrides)
+        return self.reference_ids(self.prompt_ids(prompt, chat=chat), cfg)
+
+    def reference_ids(self, ids: Sequence[int], decode: DecodeConfig) -> Trajectory:
+        """`reference` of prompt token ids."""
+        trajectory = Trajectory(top_logits=REFERENCE_LOGITS)
         planner = getattr(self.executor, "planner", None)
         on_device = planner.all_on_device() if planner is not None else contextlib.nullcontext()
         with on_device:
-            for _ in self.stream(ids, decode=cfg, observers=[trajectory]):
+            for _ in self.stream(ids, decode=decode, observers=[trajectory]):
                 pass
         trajectory.prompt = tuple(ids)
         return trajectory
@@ -378,13 +394,14 @@ def build_runtime(
             checkpoint=ckpt, device=dev, executor=executor, decode=decode, graphs=graphs,
             kernels=kernels,
         )  # fmt: skip
+    cost, costs = resolve_cost(cost, ckpt, dev)
     engine = make_engine(ckpt, dev, make_planner(
         ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost, prefetch,
         planner,
     ), driver)  # fmt: skip
     return Runtime(
         checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine],
-        graphs=graphs, kernels=kernels,
+        graphs=graphs, kernels=kernels, costs=costs,
     )  # fmt: skip
 
 
@@ -420,13 +437,7 @@ def make_planner(
     if planner not in PLANNER_MODES:
         raise ValueError(f"unknown planner {planner!r}: choose from {', '.join(PLANNER_MODES)}")
 
-    if isinstance(cost, str):
-        if cost == "calibrate":
-            from oled.offload.calibrate import calibrated_cost
-
-            cost = calibrated_cost(ckpt.experts, dev, cache_home() / "cost")
-        else:
-            cost = CostModel.profile(cost)
+    cost = resolve_cost(cost, ckpt, dev)[0]
     cfg = ckpt.config
     return Planner.for_model(
         cfg.num_moe_layers,
@@ -441,6 +452,22 @@ def make_planner(
         prefetch_limit=prefetch,
         compiled=PLANNER_MODES[planner],
     )
+
+
+def resolve_cost(
+    cost: CostModel | str, ckpt: Checkpoint, dev: torch.device
+) -> tuple[CostModel, dict[str, Any]]:
+    """The cost model that `runtime.cost` names ("calibrate": this machine's, measured once and
+    stored under cache_home()/cost; else a profile), or the one given, and its description
+    for reports."""
+    if isinstance(cost, CostModel):
+        return cost, {"source": "given", **asdict(cost)}
+    if cost == "calibrate":
+        from oled.offload.calibrate import calibrated_cost
+
+        calibration = calibrated_cost(ckpt.experts, dev, cache_home() / "cost")
+        return calibration.cost, calibration.describe()
+    return CostModel.profile(cost), {"source": f"profile {cost}", **asdict(CostModel.profile(cost))}
 
 
 def load_runtime(model: str = DEFAULT_MODEL, **settings: Any) -> Runtime:

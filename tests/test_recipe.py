@@ -185,7 +185,7 @@ def test_bad_override(recipe_file: Path, override: str, expected: str) -> None:
 
 
 def test_tune_params_are_checked(recipe_file: Path) -> None:
-    text = recipe_file.read_text() + "\n[tune]\ntrials = 3\n\n[tune.params]\n"
+    text = recipe_file.read_text() + '\n[tune]\ntrials = 3\nobjective = "run"\n\n[tune.params]\n'
     good = text + '"policy.retention.threshold" = { low = 0.1, high = 0.9 }\n'
     recipe = load_recipe(_write(recipe_file.parent, good))
     assert recipe.tune is not None and recipe.tune.params["policy.retention.threshold"].high == 0.9
@@ -197,7 +197,7 @@ def test_tune_params_are_checked(recipe_file: Path) -> None:
     )
     path = _write(recipe_file.parent, text + '"decoding.seed" = { low = 3 }\n')
     assert "tune.params.decoding.seed: give 'low' <= 'high'" in _error(path)
-    path = _write(recipe_file.parent, text.replace("trials = 3", 'objective = "simulte"'))
+    path = _write(recipe_file.parent, text.replace('objective = "run"', 'objective = "simulte"'))
     assert "tune.objective: unknown objective 'simulte' (did you mean 'simulate'?)" in _error(path)
 
 
@@ -269,7 +269,8 @@ def test_workload_routing(recipe_file: Path, trace_file: Path) -> None:
     bad = recipe_file.parent / "bad.toml"
     bad.write_text(text.replace("trace:traces", "trace:nowhere"))
     assert _error(bad) == (
-        f"{_at(bad, 'routing =')}: workload.routing: no such file: nowhere/t.oledtrace"
+        f"{_at(bad, 'routing =')}: workload.routing: no such file: nowhere/t.oledtrace "
+        "(oled trace record RECIPE -o nowhere/t.oledtrace records one)"
     )
     (recipe_file.parent / "plain.txt").write_text("not a trace")
     message = _error(path, ["workload.routing=trace:plain.txt"])
@@ -301,3 +302,72 @@ def test_validate_reports_a_bad_trace_in_one_line(recipe_file: Path) -> None:
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "workload.routing: " in lines[0]
     assert "plain.txt is not an OLED-MoE trace file" in lines[0]
+
+
+def test_a_binary_file_is_not_a_recipe(tmp_path: Path) -> None:
+    path = tmp_path / "program.toml"
+    data = b"[model]\npath = 1\n\x7fELF\xff\xfe\x00"
+    path.write_bytes(data)
+    offset = data.index(b"\xff")
+    assert (
+        _error(path) == f"{path}: not a TOML recipe: not UTF-8 text (byte 0xff at offset {offset})"
+    )
+
+
+def _wide_trace(tmp_path: Path) -> Path:
+    """A trace of LLaDA2.0-mini's routing (19 MoE layers x 256 experts, top-8)."""
+    from oled.trace.synthetic import synthetic_trace
+
+    path = tmp_path / "wide.oledtrace"
+    synthetic_trace(num_layers=19, num_experts=256, top_k=8, blocks=1).save(path)
+    return path
+
+
+STUDY = '[tune]\n{trace}[tune.params]\n"decoding.threshold" = {{ low = 0.5, high = 0.9 }}\n'
+
+
+def test_a_study_that_simulates_names_a_trace_that_routes_like_its_model(
+    recipe_file: Path, trace_file: Path, tmp_path: Path
+) -> None:
+    text = recipe_file.read_text()
+    path = _write(tmp_path, text + STUDY.format(trace=""))
+    assert _error(path) == (
+        f"{_at(path, '[tune]')}: tune.objective: 'simulate' replays a trace: set tune.trace "
+        "(oled trace record RECIPE -o PATH records one)"
+    )
+    path = _write(tmp_path, text + STUDY.format(trace='trace = "none.oledtrace"\n'))
+    assert _error(path) == (
+        f"{_at(path, 'trace =')}: tune.trace: no such file: none.oledtrace "
+        "(oled trace record RECIPE -o none.oledtrace records one)"
+    )
+    (tmp_path / "t.oledtrace").write_bytes(trace_file.read_bytes())  # beside the recipe
+    path = _write(tmp_path, text + STUDY.format(trace='trace = "t.oledtrace"\n'))
+    assert load_recipe(path).tune.trace == "t.oledtrace"
+    wide = _wide_trace(tmp_path)
+    message = _error(path, [f'tune.trace="{wide}"'])
+    assert message == (
+        "--set tune.trace: the trace's routing geometry (19 MoE layers x 256 experts, top-8) "
+        "does not match the model's (3 MoE layers x 32 experts, top-4) (model.path builtin:tiny)"
+    )
+    assert _error(recipe_file, [f"workload.routing=trace:{wide}"]).startswith(
+        "--set workload.routing: the trace's routing geometry (19 MoE layers"
+    )
+
+
+def test_a_trace_of_a_model_not_on_this_machine_is_not_compared(recipe_file, tmp_path) -> None:
+    """A recipe for another machine (its model directory is not here) still loads."""
+    text = recipe_file.read_text().replace("builtin:tiny", str(tmp_path / "elsewhere"))
+    wide = _wide_trace(tmp_path)
+    path = _write(tmp_path, text + STUDY.format(trace=f'trace = "{wide}"\n'))
+    assert load_recipe(path).tune.trace == str(wide)
+    with pytest.raises(RecipeError, match=r":2: model.path: no such directory: .*elsewhere"):
+        load_recipe(path, require_model=True)
+
+
+def test_the_shipped_study_replays_a_shipped_trace() -> None:
+    recipe = load_recipe(ROOT / "recipes" / "tune.toml")
+    from oled.recipe import beside
+
+    assert recipe.tune is not None and recipe.tune.objective == "simulate"
+    trace = beside(recipe.tune.trace, recipe.folder)
+    assert trace.is_file() and trace.is_relative_to(ROOT / "recipes")

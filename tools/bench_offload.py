@@ -37,7 +37,7 @@ from oled.bench import (  # noqa: E402
     with_ratios,
     write_report,
 )
-from oled.decoding import DecodeConfig, Trajectory  # noqa: E402
+from oled.decoding import DecodeConfig  # noqa: E402
 from oled.kernels import use as use_kernels  # noqa: E402
 from oled.model.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from oled.model.experts import ResidentExperts  # noqa: E402
@@ -96,19 +96,19 @@ class Bench:
     dev: torch.device
     cfg: BenchConfig
     decode: DecodeConfig
-    trajectory: Trajectory | None
+    follow: bool
     kernel_modes: list[str]
     work: TraceWorkload | None
     rows: list[dict] = field(default_factory=list)
     report: Path | None = None
 
     def measure(self, rt: Runtime, label: str, graphs: bool) -> None:
-        """Time one row: replay the workload, or generate (following the trajectory)."""
+        """Time one row: replay the workload, or generate (following the resident tokens)."""
         rcfg = replace(self.cfg, profile=graphs and self.cfg.profile)
         self.rows.append(
             bench_replay(rt, rcfg, label, self.work)
             if self.work
-            else bench_runtime(rt, rcfg, label, self.trajectory)
+            else bench_runtime(rt, rcfg, label, self.follow)
         )
 
     def save(self) -> Path:
@@ -125,12 +125,13 @@ def main() -> None:
     dev = torch.device(args.device)
     ckpt = load(Path(args.model), dev)
     # every row at the main prompt length commits the first row's tokens: the same work
-    trajectory = Trajectory() if args.follow else None
-    if args.ahead_from == "recorded" and trajectory is None:
-        ap.error("--ahead-from recorded needs rows that follow one trajectory (no --no-follow)")
+    if args.ahead_from == "recorded" and not args.follow:
+        ap.error(
+            "--ahead-from recorded needs rows that follow the resident tokens (no --no-follow)"
+        )
     bench = Bench(
         args=args, ckpt=ckpt, dev=dev, cfg=bench_config(args),
-        decode=DecodeConfig(max_new_tokens=args.gen_length), trajectory=trajectory,
+        decode=DecodeConfig(max_new_tokens=args.gen_length), follow=args.follow,
         kernel_modes=KERNEL_MODES[args.kernels],
         work=replay_workload(args.routing, args.prompts) if args.routing else None,
     )  # fmt: skip
@@ -184,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
         "--no-follow",
         dest="follow",
         action="store_false",
-        help="let each row commit its own tokens (by default rows follow the first row's)",
+        help="let each row commit its own tokens (by default rows follow the resident tokens)",
     )
     ap.add_argument(
         "--planner",
@@ -245,7 +246,7 @@ def resident_rows(bench: Bench) -> RecordedRouting | None:
         if args.trace and not graphs:
             record_resident(rt, cfg, Path(args.trace))
         if args.ahead_from == "recorded" and not graphs and oracle is None:
-            oracle = recorded_routing(rt, cfg, bench.trajectory)
+            oracle = recorded_routing(rt, cfg)
         print(f"done: resident {mode}", flush=True)
         del rt
     del resident
@@ -359,13 +360,14 @@ def replay_workload(path: str, prompts: str) -> TraceWorkload:
     return TraceWorkload(trace=trace, prompts=tuple(chosen), name=Path(path).name)
 
 
-def recorded_routing(rt: Runtime, cfg: BenchConfig, trajectory: Trajectory) -> RecordedRouting:
-    """The routing of one generation that follows `trajectory`, as a perfect prediction."""
+def recorded_routing(rt: Runtime, cfg: BenchConfig) -> RecordedRouting:
+    """The routing of a resident runtime's generation (the one every following row commits),
+    as a perfect prediction."""
     from oled.offload.predict import RecordedRouting
     from oled.trace.record import record
 
     prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
-    return RecordedRouting(record(rt, [prompt], decode=bench_decode(rt, cfg), follow=trajectory))
+    return RecordedRouting(record(rt, [prompt], decode=bench_decode(rt, cfg)))
 
 
 def suffix(kernels: str) -> str:

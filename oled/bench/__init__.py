@@ -24,12 +24,10 @@ from oled.bench.runs import (
     run_replay,
 )
 from oled.bench.tables import host_table, stage_table, table
-from oled.decoding.follow import Trajectory
 
 __all__ = [
     "BenchConfig",
     "TraceWorkload",
-    "Trajectory",
     "bench_decode",
     "bench_replay",
     "bench_runtime",

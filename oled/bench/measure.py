@@ -18,7 +18,7 @@ from oled.bench.runs import (
     run_replay,
 )
 from oled.decoding.decoder import median_p90
-from oled.decoding.follow import Trajectory
+from oled.decoding.follow import Agreement, agreement_summary
 from oled.offload.metrics import FIELDS, with_rates
 from oled.runtime import Runtime
 
@@ -49,46 +49,45 @@ def bench_replay(rt: Runtime, cfg: BenchConfig, label: str, work: TraceWorkload)
 
 
 def bench_runtime(
-    rt: Runtime, cfg: BenchConfig, label: str, trajectory: Trajectory | None = None
+    rt: Runtime, cfg: BenchConfig, label: str, follow: bool = False
 ) -> dict[str, Any]:
-    """One configuration: warm-up, timed runs, one row of figures.
+    """One configuration: the prompt's reference (every expert on the device: the resident
+    model's tokens, untimed), warm-up, timed runs, one row of figures.
 
-    With a `trajectory` the rows do the same work: an empty one records this row's first timed
-    run; a recorded one is followed by every run of this row, whose `agreement` is the share of
-    the followed commits where its own choice was the same token. A row whose prompt differs
-    (another tokenizer) decodes freely.
+    Free running (the default), every timed run is compared with the reference as it runs
+    (`agreement`: tokens equal, first divergence, largest logit difference). With `follow`,
+    the runs commit the reference's tokens, so that every row does the same work
+    (`followed_agreement`: the share of commits where the run's own choice was the same
+    token), and one more free-running run, untimed, measures the agreement.
     """
     decode = bench_decode(rt, cfg)
     prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
-    follow, record = _follow_or_record(trajectory, prompt)
+    reference = rt.reference_ids(prompt, decode)
+    followed = reference if follow else None
     for _ in range(cfg.warmup_runs):
-        run_once(rt, prompt, decode, follow=follow)
-    runs, offload, outputs = [], [], []
-    for i in range(cfg.runs):
-        stats, off, tokens = run_once(rt, prompt, decode, record * (i == 0), follow)
+        run_once(rt, prompt, decode, follow=followed)
+    runs, offload, outputs, agreements = [], [], [], []
+    for _ in range(cfg.runs):
+        agree = [] if follow else [Agreement(reference)]
+        stats, off, tokens = run_once(rt, prompt, decode, agree, followed)
         runs.append(stats)
         outputs.append(tokens)
         offload += [off] if off is not None else []
+        agreements += [a.result() for a in agree]
+    if follow:
+        agree = [Agreement(reference)]
+        run_once(rt, prompt, decode, agree)
+        agreements.append(agree[0].result())
     row = summarise(label, runs, offload)
-    _profile_into(row, rt, cfg, prompt, decode, follow=follow)
+    _profile_into(row, rt, cfg, prompt, decode, follow=followed)
     row["output"] = _digest(outputs[0])
     row["block_length"], row["threshold"] = decode.block_length, decode.threshold
-    if follow is not None:
-        row["agreement"] = sum(s.agreed for s in runs) / max(1, sum(s.followed for s in runs))
+    row["agreement"] = agreement_summary(agreements) | {"runs": len(agreements)}
+    if follow:
+        followed_commits = sum(s.followed for s in runs)
+        row["followed_agreement"] = sum(s.agreed for s in runs) / max(1, followed_commits)
+    row["decisions"] = rt.decisions()
     return row | _execution(rt)
-
-
-def _follow_or_record(
-    trajectory: Trajectory | None, prompt: list[int]
-) -> tuple[Trajectory | None, list[Trajectory]]:
-    """(the trajectory to follow, or None; the observers that record one): a recorded
-    trajectory of this prompt is followed, an empty one records this prompt's."""
-    recorded = trajectory is not None and bool(trajectory.steps)
-    follow = trajectory if recorded and trajectory.prompt == tuple(prompt) else None
-    record = [trajectory] if trajectory is not None and not recorded else []
-    if record:
-        trajectory.prompt = tuple(prompt)
-    return follow, record
 
 
 def _profile_into(row: dict, rt: Runtime, cfg: BenchConfig, prompt: list[int], decode,
@@ -157,7 +156,9 @@ def _offload_summary(per_run: list[dict]) -> dict[str, float]:
         out["predicted_used"] = decode["predicted_hits"] / decode["predicted"]
     if out["copy_ms_per_iteration"]:  # bytes over the copy stream's busy time
         out["copy_gb_per_s"] = out["copy_bytes_per_iteration"] / out["copy_ms_per_iteration"] / 1e6
-    out["prompt_copies"] = _sum(per_run, "prompt")["copies"] / len(per_run)
+    prompt = with_rates(_sum(per_run, "prompt"))
+    out["prompt_copies"] = prompt["copies"] / len(per_run)
+    out["prompt_cpu_share"] = prompt["cpu_share"]  # CPU experts in the prompt forward
     return out
 
 

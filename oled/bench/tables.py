@@ -14,6 +14,7 @@ OFFLOAD_COLUMNS = [
     "copies/it",
     "copy MB/it",
     "CPU share",
+    "prompt CPU",
     "stall ms/it",
     "copy ms/it",
     "copy GB/s",
@@ -47,8 +48,10 @@ def _caption(rows: list[dict[str, Any]]) -> str:
 
 
 def _columns(ratios: bool, offload: bool, ahead: bool) -> list[str]:
-    cols = ["config", "ms/iter p50", "ms/iter p90", "prompt ms", "tokens/s", "tokens/fwd"]
-    cols += ["ms vs 1st", "same tokens"] * ratios
+    """End to end first (tokens/s, the mean over all forwards), then the iterations."""
+    cols = ["config", "tokens/s", "ms/fwd mean", "ms/iter p50", "ms/iter p90", "prompt ms",
+            "tokens/fwd", "= resident", "max Δlogit"]  # fmt: skip
+    cols += ["ms vs 1st"] * ratios
     cols += OFFLOAD_COLUMNS * offload
     return cols + ["ahead/it (used)"] * ahead
 
@@ -56,14 +59,11 @@ def _columns(ratios: bool, offload: bool, ahead: bool) -> list[str]:
 def _cells(r: dict[str, Any], first: dict[str, Any], ratios: bool, offload: bool,
            ahead: bool) -> list[str]:  # fmt: skip
     """One row's cells, in the order of `_columns`."""
-    cells = [r["label"], f"{r['ms_per_iteration_median']:.2f}",
-             f"{r['ms_per_iteration_p90']:.2f}", _fmt(r.get("prompt_ms"), "{:.1f}"),
-             f"{r['tokens_per_second']:.1f}",
-             f"{r['tokens_per_forward']:.2f}"]  # fmt: skip
-    same = "yes" if r.get("output") == first.get("output") else "no"
-    if r.get("agreement", 1.0) < 1.0:  # followed the first row; its own choices differed
-        same = f"own {r['agreement']:.1%}"
-    cells += [f"{r['ms_ratio_to_first']:.2f}x", same] * ratios
+    cells = [r["label"], f"{r['tokens_per_second']:.1f}", f"{r['ms_per_forward_mean']:.2f}",
+             f"{r['ms_per_iteration_median']:.2f}", f"{r['ms_per_iteration_p90']:.2f}",
+             _fmt(r.get("prompt_ms"), "{:.1f}"), f"{r['tokens_per_forward']:.2f}",
+             *_agreement_cells(r.get("agreement"))]  # fmt: skip
+    cells += [f"{r['ms_ratio_to_first']:.2f}x"] * ratios
     o = r.get("offload", {})
     if offload:
         cells += _offload_cells(o)
@@ -75,11 +75,22 @@ def _cells(r: dict[str, Any], first: dict[str, Any], ratios: bool, offload: bool
     return cells
 
 
+def _agreement_cells(agreement: dict[str, Any] | None) -> list[str]:
+    """Free-running agreement with the resident tokens: "yes", or the share of runs with
+    equal tokens and the first answer position that differed; the largest logit difference.
+    n/a for rows that replay a trace (its tokens are committed)."""
+    if not agreement or agreement.get("tokens_equal") is None:
+        return ["n/a", "n/a"]
+    equal = agreement["tokens_equal"]
+    same = "yes" if equal == 1 else f"{equal:.0%}, from {agreement['first_divergence']}"
+    return [same, _fmt(agreement.get("max_logit_diff"), "{:.2g}")]
+
+
 def _offload_cells(o: dict[str, Any]) -> list[str]:
     """The cells under OFFLOAD_COLUMNS."""
     return [_fmt(o.get("hit_rate"), "{:.1%}"), _fmt(o.get("copies_per_iteration")),
             _fmt(o.get("copy_bytes_per_iteration"), "{:.1f}", 1e-6),
-            _fmt(o.get("cpu_share"), "{:.1%}"),
+            _fmt(o.get("cpu_share"), "{:.1%}"), _fmt(o.get("prompt_cpu_share"), "{:.1%}"),
             _fmt(o.get("stall_ms_per_iteration"), "{:.2f}"),
             _fmt(o.get("copy_ms_per_iteration"), "{:.2f}"),
             _fmt(o.get("copy_gb_per_s"), "{:.1f}"),

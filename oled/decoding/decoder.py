@@ -3,10 +3,11 @@
 The answer is decoded in blocks of `block_length` absolute positions. Each iteration runs the
 whole block through the model over the cached prefix, takes the softmax max probability of every
 masked position as its confidence and commits every masked position whose confidence reaches
-the threshold (at least the most confident one); nothing is remasked. A finished block's keys and
-values enter the prefix cache during the next block's first forward (which therefore runs over
-the finished block and the new one), so cached decoding computes the same function as
-recomputing the whole sequence.
+the threshold (at least the most confident one; with `steps`, at least block_length / steps, as
+LLaDA2's own generate; with `strict_threshold`, strictly above it); nothing is remasked. A
+finished block's keys and values enter the prefix cache during the next block's first forward
+(which therefore runs over the finished block and the new one), so cached decoding computes the
+same function as recomputing the whole sequence.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class BlockDecoder:
             with stage("decode step"):
                 conf, tokens = _confidence(logits, cfg.temperature, gen)  # [L], [L]
                 if follow is None:
-                    commit = _commit(conf, masked, cfg.threshold)  # [L] bool
+                    commit = _commit(conf, masked, cfg, it)  # [L] bool
                 else:
                     commit, forced = follow.at(self.stats.iterations, bl, tokens.device)
                     recorded = follow.confidence_at(self.stats.iterations, tokens.device)
@@ -227,7 +228,7 @@ class BlockDecoder:
                     block=b, iteration=it, step=self.stats.iterations - 1, block_start=start,
                     tokens=seq[0, start:end].clone(), masked=masked,
                     confidence=torch.where(masked, conf, 1.0), committed=commit,
-                    forward_tokens=ran, seconds=seconds,
+                    forward_tokens=ran, seconds=seconds, logits=logits,
                 ),
             )  # fmt: skip
             masked = still
@@ -263,10 +264,15 @@ def _confidence(logits: Tensor, temperature: float, gen) -> tuple[Tensor, Tensor
     return probs.gather(-1, tokens[:, None]).squeeze(-1), tokens
 
 
-def _commit(conf: Tensor, masked: Tensor, threshold: float) -> Tensor:
-    """Masked positions at or above the threshold; at least the most confident one."""
+def _commit(conf: Tensor, masked: Tensor, cfg: DecodeConfig, iteration: int) -> Tensor:
+    """Masked positions at or above the threshold (strictly above with `strict_threshold`),
+    and at least the `cfg.at_least(iteration)` most confident ones."""
     score = torch.where(masked, conf, -1.0)  # [L]
-    commit = masked & (score >= threshold)
+    above = score > cfg.threshold if cfg.strict_threshold else score >= cfg.threshold
     best = torch.zeros_like(masked)
-    best[score.argmax()] = True
-    return commit | (best & masked)
+    n = cfg.at_least(iteration)
+    if n == 1:
+        best[score.argmax()] = True
+    else:  # unmasked positions score -1, below any confidence: `& masked` drops them
+        best[score.topk(min(n, score.shape[0])).indices] = True
+    return masked & (above | best)

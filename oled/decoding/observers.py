@@ -26,6 +26,7 @@ class IterationInfo:
     committed: torch.Tensor  # [L] bool: committed by this iteration
     forward_tokens: int  # tokens the forward ran over (pending prefix + block)
     seconds: float  # wall time of the iteration (forward + decision)
+    logits: torch.Tensor | None = None  # [L, V] fp32: the forward's (valid during the hook)
 
 
 @dataclass(frozen=True)

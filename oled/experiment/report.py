@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from oled.decoding.decoder import median_p90
+from oled.decoding.follow import agreement_summary
 
 Stats = dict[str, Any]  # one generation's stats dict (keys agreed with the runtime)
 
@@ -69,6 +70,7 @@ def summarize(generations: Sequence[Stats]) -> dict[str, Any]:
         "iterations": int(iterations),
         "seconds": seconds,
         "ms_per_token": _ratio(1000 * seconds, tokens),
+        "ms_per_forward": _ratio(1000 * seconds, iterations),  # every forward, the prompt's too
         "tokens_per_second": _ratio(tokens, seconds),
         "ms_per_iteration": median,
         "ms_per_iteration_p90": p90,
@@ -87,15 +89,24 @@ def summarize(generations: Sequence[Stats]) -> dict[str, Any]:
         "stall_ms_per_iteration": _ratio(_decode(generations, "stall_ms"), decode_iterations),
         # following a reference: how often the run's own choice was the committed token
         "agreement": _ratio(_total(generations, "agreed"), _total(generations, "followed")),
-    }
+        "prompt_cpu_share": _prompt_cpu_share(generations),
+    } | agreement_summary([g["agreement"] for g in generations if g.get("agreement")])
 
 
-SUMMARY_ROWS = [  # (key, label, format)
+def _prompt_cpu_share(generations: Sequence[Stats]) -> float | None:
+    """The CPU's share of the expert work in the generations' first forwards (the prompt's)."""
+    parts = [g["prompt"] for g in generations if isinstance(g.get("prompt"), dict)]
+    cpu = sum(p.get("cpu_experts", 0) for p in parts)
+    return _ratio(cpu, cpu + sum(p.get("gpu_experts", 0) for p in parts)) if parts else None
+
+
+SUMMARY_ROWS = [  # (key, label, format): what a user waits for first
+    ("tokens_per_second", "tokens / s (end to end)", "{:.1f}"),
+    ("ms_per_forward", "ms / forward (mean, prompt's too)", "{:.2f}"),
+    ("ms_per_token", "ms / token", "{:.2f}"),
     ("ms_per_iteration", "ms / decode iteration (median)", "{:.2f}"),
     ("ms_per_iteration_p90", "ms / decode iteration (p90)", "{:.2f}"),
     ("prompt_ms", "ms / prompt forward (median)", "{:.1f}"),
-    ("ms_per_token", "ms / token", "{:.2f}"),
-    ("tokens_per_second", "tokens / s", "{:.1f}"),
     ("tokens_per_forward", "tokens / forward", "{:.2f}"),
     ("hit_rate", "hit rate", "{:.1%}"),
     ("copies", "copies", "{:d}"),
@@ -103,6 +114,10 @@ SUMMARY_ROWS = [  # (key, label, format)
     ("cpu_share", "CPU share of expert work", "{:.1%}"),
     ("stall_ms", "stall ms (total)", "{:.1f}"),
     ("agreement", "own choices = reference tokens", "{:.1%}"),
+    ("tokens_equal", "answers = resident's (free-running)", "{:.0%}"),
+    ("first_divergence", "first differing answer token", "{:d}"),
+    ("max_logit_diff", "largest logit difference", "{:.3g}"),
+    ("prompt_cpu_share", "CPU share in the prompt forward", "{:.1%}"),
 ]
 
 
@@ -121,27 +136,34 @@ def write_report(report: dict[str, Any], directory: Path) -> list[Path]:
 
 def write_plots(report: dict[str, Any], directory: Path) -> list[Path]:
     """Hit rate per layer, latency breakdown and (if recorded) expert residency, as PNGs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     written = []
     for name, draw in (("hit_rate_per_layer", _hit_rate), ("latency", _latency)):
         fig = draw(plt, report)
         if fig is not None:
-            written.append(_save(plt, fig, directory / f"{name}.png"))
+            written.append(save_figure(plt, fig, directory / f"{name}.png"))
     residency = [g["residency"] for g in report["generations"] if g.get("residency")]
     if residency:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         image = ax.imshow(list(zip(*residency[0], strict=False)), aspect="auto", origin="lower")
         ax.set(xlabel="iteration", ylabel="layer", title="resident experts per layer")
         fig.colorbar(image, ax=ax)
-        written.append(_save(plt, fig, directory / "residency.png"))
+        written.append(save_figure(plt, fig, directory / "residency.png"))
     return written
 
 
-def _save(plt: Any, fig: Any, path: Path) -> Path:
+def pyplot() -> Any:
+    """`matplotlib.pyplot` on the Agg backend (files only, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(plt: Any, fig: Any, path: Path) -> Path:
+    """Write `fig` to `path` as a PNG and close it."""
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,36 +45,54 @@ def prompt_input(prompt: Prompt, chat: bool) -> str | list[dict[str, str]]:
     return prompt.prompt if prompt.prompt is not None else prompt.as_messages()[-1]["content"]
 
 
-def generate(runtime: Any, prompt: Prompt, chat: bool, follow: Any = None) -> Stats:
-    """One generation (committing `follow`'s tokens when given); its stats dict."""
-    runtime.generate(prompt_input(prompt, chat), chat=chat, follow=follow)
-    return dict(runtime.stats())
+def generate(
+    runtime: Any, prompt: Prompt, chat: bool, follow: Any = None, reference: Any = None
+) -> Stats:
+    """One generation (committing `follow`'s tokens when given); its stats dict, with its
+    `agreement` with `reference` (oled.decoding.follow.Agreement) when one is given."""
+    from oled.decoding.follow import Agreement
+
+    agree = Agreement(reference) if reference is not None else None
+    runtime.generate(prompt_input(prompt, chat), chat=chat, follow=follow,
+                     observers=[agree] if agree else [])  # fmt: skip
+    return dict(runtime.stats()) | ({"agreement": agree.result()} if agree else {})
 
 
 def run_workload(
     runtime: Any, recipe: Recipe, prompts: Sequence[Prompt], console: Console | None = None
 ) -> list[Stats]:
-    """With `workload.follow`, first each prompt's reference (every expert on the device:
-    Runtime.reference), which the later generations follow; then warm-up generations
-    (untimed) and `repeats` timed passes over the prompts; the timed ones' stats."""
+    """With `workload.follow` or `agreement`, first each prompt's reference (every expert on
+    the device: Runtime.reference). Following, the later generations commit its tokens and one
+    more free-running generation per prompt measures the agreement; else each timed
+    generation is compared with it as it runs. Then warm-up generations (untimed) and
+    `repeats` timed passes over the prompts; the timed ones' stats."""
     wl = recipe.workload
+    refs = wl.follow or wl.agreement
+    extra = len(prompts) * (refs + (wl.follow and wl.agreement))
     timed: list[Stats] = []
-    total = len(prompts) * wl.follow + wl.warmup + wl.repeats * len(prompts)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("reference" if wl.follow else "warm-up", total=total)
-        follow = [None] * len(prompts)
-        for i, prompt in enumerate(prompts if wl.follow else []):
-            follow[i] = runtime.reference(prompt_input(prompt, wl.chat), chat=wl.chat)
+        task = bar.add_task("reference", total=extra + wl.warmup + wl.repeats * len(prompts))
+        reference = [None] * len(prompts)
+        for i, prompt in enumerate(prompts if refs else []):
+            reference[i] = runtime.reference(prompt_input(prompt, wl.chat), chat=wl.chat)
+            bar.advance(task)
+        follow = reference if wl.follow else [None] * len(prompts)
+        free = [None] * len(prompts)  # following: each prompt's free-running agreement
+        for i, prompt in enumerate(prompts if wl.follow and wl.agreement else []):
+            bar.update(task, description="agreement")
+            free[i] = generate(runtime, prompt, wl.chat, None, reference[i])["agreement"]
             bar.advance(task)
         bar.update(task, description="warm-up")
         for i in range(wl.warmup):
             generate(runtime, prompts[i % len(prompts)], wl.chat, follow[i % len(prompts)])
             bar.advance(task)
         bar.update(task, description="generate")
+        compare = reference if wl.agreement and not wl.follow else [None] * len(prompts)
         for _ in range(wl.repeats):
-            for prompt, reference in zip(prompts, follow, strict=True):
-                timed.append(generate(runtime, prompt, wl.chat, reference))
+            for i, prompt in enumerate(prompts):
+                stats = generate(runtime, prompt, wl.chat, follow[i], compare[i])
+                timed.append(stats | ({"agreement": free[i]} if free[i] else {}))
                 bar.advance(task)
     return timed
 
@@ -131,12 +150,16 @@ def run_loaded(
     return replay_workload(runtime, recipe, *work.replay, console)
 
 
-def make_report(recipe: Recipe, generations: list[Stats], seconds: float) -> dict[str, Any]:
-    """The JSON report: recipe, summary, per layer and per generation figures."""
+def make_report(
+    recipe: Recipe, generations: list[Stats], seconds: float, decisions: Any = None
+) -> dict[str, Any]:
+    """The JSON report: recipe, how the offload decisions were made (Runtime.decisions),
+    summary, per layer and per generation figures."""
     return {
         "recipe": recipe.data(),
         "recipe_hash": recipe.hash(),
         "wall_seconds": seconds,
+        "decisions": decisions,
         "summary": summarize(generations),
         "per_layer": per_layer(generations),
         "generations": generations,
@@ -153,18 +176,47 @@ def summary_table(report: dict[str, Any], title: str) -> Table:
     layers = [layer["hit_rate"] for layer in report["per_layer"]]
     if any(rate is not None for rate in layers):
         table.add_row("hit rate per layer", " ".join(format_value(r, "{:.0%}") for r in layers))
+    if report.get("decisions"):
+        table.add_row("decisions", decisions_text(report["decisions"]))
     return table
 
 
+def decisions_text(decisions: dict[str, Any]) -> str:
+    """One line on how the offload decisions were made: the cost model's source and whether a
+    policy adapts to live timings (then the same recipe can decide differently next time)."""
+    costs = decisions.get("costs") or {}
+    source = costs.get("source", "?")
+    if "measured" in costs:
+        source += f" {costs['measured']}"
+    if decisions.get("adaptive"):
+        return f"{source}; live adaptation on: decisions follow this run's timings"
+    return f"{source}; deterministic"
+
+
+def layer_metrics(layers: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """`hit_rate.layer_NN` for every MoE layer, zero-padded so that the names sort by layer."""
+    width = max(2, len(str(len(layers) - 1)))
+    return {f"hit_rate.layer_{layer['layer']:0{width}d}": layer["hit_rate"] for layer in layers}
+
+
+def write_iterations(report: dict[str, Any], directory: Path) -> Path:
+    """`iteration_ms.csv`: one row per forward of every timed generation (iteration 0 runs
+    the prompt)."""
+    path = directory / "iteration_ms.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["generation", "iteration", "ms"])
+        for g, gen in enumerate(report["generations"]):
+            writer.writerows((g, i, ms) for i, ms in enumerate(gen.get("iteration_ms", [])))
+    return path
+
+
 def log_run(tracker: Tracker, recipe: Recipe, report: dict[str, Any], files: list[Path]) -> None:
-    """Params, summary metrics, per-iteration and per-layer series, artifacts."""
-    tracker.log_metrics(report["summary"])
-    iteration_ms = [ms for g in report["generations"] for ms in g.get("iteration_ms", [])]
-    hit_rates = [layer["hit_rate"] for layer in report["per_layer"]]
-    tracker.log_series({"iteration_ms": iteration_ms, "layer_hit_rate": hit_rates})
+    """The summary and the per-layer hit rates as one metric each, the report's files (JSON,
+    per-iteration CSV, plots) and the recipe as artifacts."""
+    tracker.log_metrics(report["summary"] | layer_metrics(report["per_layer"]))
     tracker.log_artifacts(files)
-    if recipe.path is not None:
-        tracker.log_artifacts([recipe.path], "recipe")
+    tracker.log_recipe(recipe)
 
 
 def report_dir(recipe: Recipe) -> Path:
@@ -196,24 +248,28 @@ def run_experiment(
     factory: RuntimeFactory | None = None,
     console: Console | None = None,
 ) -> RunResult:
-    """Run a recipe end to end; the MLflow run ends FAILED if anything raises."""
+    """Run a recipe end to end. The runtime is built first, so a set-up error (no model, a
+    budget too small, no such device) leaves no MLflow run; once the run has started it ends
+    FAILED if anything raises."""
     console = console or Console(stderr=True)
     if factory is None:
         from oled.runtime import build as factory
     work = load_workload(recipe)
+    start = time.perf_counter()
+    runtime = factory(recipe)  # set-up errors (model, budget, device) raise before any run
     with tracked_run(recipe) as tracker:
         tracker.log_params(recipe.flatten())
-        start = time.perf_counter()
-        runtime = factory(recipe)
         tracker.set_tags({
             "oled.runtime_device": getattr(runtime, "device", None),
             "oled.planner": planner_kind(runtime),
             "oled.launch": launch_kind(runtime),
         })  # fmt: skip
         generations = run_loaded(runtime, recipe, work, console)
-        report = make_report(recipe, generations, time.perf_counter() - start)
+        decisions = runtime.decisions() if hasattr(runtime, "decisions") else None
+        report = make_report(recipe, generations, time.perf_counter() - start, decisions)
         directory = report_dir(recipe)
         files = write_report(report, directory)
+        files.append(write_iterations(report, directory))
         log_run(tracker, recipe, report, files)
     console.print(summary_table(report, f"{recipe.name} ({recipe.hash()})"))
     console.print(f"report: {directory}")

@@ -1,4 +1,4 @@
-"""MLflow tracking through `MlflowClient`: runs, nested runs, params, metrics with steps."""
+"""MLflow tracking through `MlflowClient`: runs, nested runs, params, metrics, artifacts."""
 
 from __future__ import annotations
 
@@ -44,19 +44,14 @@ class Tracker:
         for start in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[start : start + 100])
 
-    def log_metrics(self, metrics: dict[str, float | None], step: int = 0) -> None:
-        self.log_series({k: [v] for k, v in metrics.items()}, start=step)
-
-    def log_series(self, series: dict[str, Sequence[float | None]], start: int = 0) -> None:
-        """Each value at step `start + index`; None values are skipped."""
+    def log_metrics(self, metrics: dict[str, Any]) -> None:
+        """One value per key, the runs table's and the compare view's columns (values that
+        are not numbers, such as None, are skipped); series go into artifacts, not steps."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         items = [
-            Metric(key, float(v), now, start + i)
-            for key, values in series.items()
-            for i, v in enumerate(values)
-            if v is not None
+            Metric(k, float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float))
         ]
         for first in range(0, len(items), BATCH):
             self.client.log_batch(self.run_id, metrics=items[first : first + BATCH])
@@ -70,6 +65,11 @@ class Tracker:
         for path in paths:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_recipe(self, recipe: Recipe) -> None:
+        """The recipe's file (if it has one) under the artifact folder `recipe`."""
+        if recipe.path is not None:
+            self.log_artifacts([recipe.path], "recipe")
+
 
 class NullTracker(Tracker):
     """Tracking switched off: every call does nothing."""
@@ -79,7 +79,7 @@ class NullTracker(Tracker):
 
     def log_params(self, params: dict[str, str]) -> None: ...
 
-    def log_series(self, series: dict[str, Sequence[float | None]], start: int = 0) -> None: ...
+    def log_metrics(self, metrics: dict[str, Any]) -> None: ...
 
     def set_tags(self, tags: dict[str, Any]) -> None: ...
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -21,6 +22,7 @@ from oled.model.config import ModelConfig
 from oled.model.experts import ExpertStore
 from oled.model.model import LLaDA2Model
 from oled.model.tokenizer import Tokenizer
+from oled.progress import track
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -39,7 +41,8 @@ def expert_tensor_names(layer: int, expert: int) -> tuple[str, str, str]:
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of a checkpoint with its shape, routed experts included."""
     model = _skeleton(cfg)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    tied = model.tied_names()  # not stored: the reference code saves the tensor once
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     for layer in cfg.moe_layers:
         for e in range(cfg.num_experts):
@@ -53,49 +56,131 @@ def _skeleton(cfg: ModelConfig) -> LLaDA2Model:
         return LLaDA2Model(cfg)
 
 
+MAX_HEADER = 100 * 2**20  # safetensors' own limit on a header's size
+
+
+def shard_header(file: Path) -> dict[str, dict[str, Any]]:
+    """A safetensors file's tensors (name -> dtype, shape, data_offsets) from its header, with
+    the file's size checked against the end of the last tensor's data, reading no weight; a
+    CheckpointError naming the file when it is missing, not safetensors or cut short."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little")
+            raw = f.read(length) if len(head) == 8 and 2 <= length <= MAX_HEADER else b""
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: no such file") from None
+    except OSError as err:
+        raise CheckpointError(f"{file}: cannot read ({err.strerror or err})") from None
+    if not raw:
+        raise CheckpointError(f"{file}: not a safetensors file (no header at its start)")
+    if len(raw) < length:
+        raise _truncated(file, size, 8 + length)
+    try:
+        tensors = {k: v for k, v in json.loads(raw).items() if k != "__metadata__"}
+        end = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        raise CheckpointError(f"{file}: not a safetensors file (malformed header)") from None
+    if size < 8 + length + end:
+        raise _truncated(file, size, 8 + length + end)
+    return tensors
+
+
+def _truncated(file: Path, size: int, needed: int) -> CheckpointError:
+    return CheckpointError(f"{file}: truncated: {size} bytes, its header describes {needed}")
+
+
+def _wrong_shape(file: Path, name: str, shape: Any, expected: tuple[int, ...]) -> CheckpointError:
+    return CheckpointError(
+        f"{file}: tensor {name!r} has shape {list(shape)}, expected {list(expected)}"
+    )
+
+
 class ShardReader:
-    """Name -> tensor over the checkpoint's safetensors files, memory-mapped, opened once."""
+    """Name -> tensor over the checkpoint's safetensors files, memory-mapped, opened once; each
+    shard's header and size are checked first (shard_header)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._stack = ExitStack()
+        self._files: dict[str, object] = {}
+        self._headers: dict[str, dict[str, dict[str, Any]]] = {}
         index = path / INDEX
         if index.exists():
+            self.index_name = INDEX
             try:
-                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as err:
+                weight_map: dict[str, str] = dict(json.loads(index.read_text())["weight_map"])
+            except (ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"{index}: not a safetensors index ({err})") from None
         elif (path / SINGLE).exists():
-            with safe_open(path / SINGLE, framework="pt") as f:
-                weight_map = {name: SINGLE for name in f.keys()}
+            self.index_name = SINGLE
+            weight_map = dict.fromkeys(self.header(SINGLE), SINGLE)
         else:
             raise CheckpointError(f"{path}: neither {INDEX} nor {SINGLE} found")
-        self.index_name = INDEX if index.exists() else SINGLE
         self.weight_map = weight_map
-        self._files: dict[str, object] = {}
 
-    def _file(self, shard: str):
-        if shard not in self._files:
+    @property
+    def shards(self) -> list[str]:
+        """The files the weights are in, in order."""
+        return sorted(set(self.weight_map.values()))
+
+    def header(self, shard: str) -> dict[str, dict[str, Any]]:
+        """The tensors in `shard`'s header, checked (shard_header); read once."""
+        if shard not in self._headers:
             file = self.path / shard
             if not file.exists():
                 raise CheckpointError(f"{file}: shard named in {self.index_name} is missing")
-            self._files[shard] = self._stack.enter_context(safe_open(file, framework="pt"))
+            self._headers[shard] = shard_header(file)
+        return self._headers[shard]
+
+    def _file(self, shard: str):
+        if shard not in self._files:
+            self.header(shard)
+            try:
+                opened = safe_open(self.path / shard, framework="pt")
+            except Exception as err:  # safetensors raises its own error type
+                raise CheckpointError(f"{self.path / shard}: cannot open: {err}") from None
+            self._files[shard] = self._stack.enter_context(opened)
         return self._files[shard]
 
-    def get(self, name: str, shape: tuple[int, ...]) -> Tensor:
+    def _entry(self, name: str) -> tuple[str, dict[str, Any]]:
+        """The shard that holds `name` and its header entry; a CheckpointError when the index
+        or the shard lacks it."""
         shard = self.weight_map.get(name)
-        if shard is None:
-            raise CheckpointError(f"{self.path / self.index_name}: tensor {name!r} is missing")
+        found = self.header(shard).get(name) if shard is not None else None
+        if found is None:
+            where = self.path / (shard or self.index_name)
+            raise CheckpointError(f"{where}: tensor {name!r} is missing")
+        return shard, found
+
+    def get(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        shard, _ = self._entry(name)
         tensor = self._file(shard).get_tensor(name)
         if tuple(tensor.shape) != shape:
-            raise CheckpointError(
-                f"{self.path / shard}: tensor {name!r} has shape {list(tensor.shape)}, "
-                f"expected {list(shape)}"
-            )
+            raise _wrong_shape(self.path / shard, name, tensor.shape, shape)
         return tensor
+
+    def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Every shard's header and size, and every tensor of `shapes` where the index says
+        with its shape, reading no weight; else a CheckpointError naming the file."""
+        for shard in self.shards:
+            self.header(shard)
+        for name, shape in shapes.items():
+            shard, found = self._entry(name)
+            if tuple(found.get("shape", ())) != shape:
+                raise _wrong_shape(self.path / shard, name, found.get("shape", ()), shape)
 
     def close(self) -> None:
         self._stack.close()
+
+
+def check_shards(path: Path, cfg: ModelConfig) -> tuple[int, int]:
+    """The checkpoint's shards checked against `cfg` without reading a weight
+    (ShardReader.check): how many there are and their bytes."""
+    reader = ShardReader(path)
+    reader.check(expected_shapes(cfg))
+    return len(reader.shards), sum((path / shard).stat().st_size for shard in reader.shards)
 
 
 @dataclass
@@ -134,12 +219,21 @@ def load_checkpoint(
 
 def _load_dense(reader: ShardReader, cfg: ModelConfig, device, dtype) -> LLaDA2Model:
     model = _skeleton(cfg)
+    tied = model.tied_names()  # read through the tensor they are tied to
     state = {}
     for name, ref in model.state_dict().items():
-        keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("expert_bias")
-        target = torch.float32 if keep_fp32 else dtype
-        state[name] = reader.get(name, tuple(ref.shape)).to(device=device, dtype=target)
-    model.load_state_dict(state, assign=True)
+        if name in tied:
+            continue
+        tensor = reader.get(name, tuple(ref.shape)).to(dtype)
+        if name.endswith("mlp.gate.weight") or name.endswith("expert_bias"):
+            # the router runs in fp32 on values rounded to the model dtype, as the reference
+            # loader leaves them (it casts the F32-stored expert_bias buffer to a bf16 model's)
+            tensor = tensor.float()
+        state[name] = tensor.to(device)
+    missing, unexpected = model.load_state_dict(state, assign=True, strict=False)
+    if set(missing) != tied or unexpected:
+        raise CheckpointError(f"{reader.path}: tensors missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
     return model.eval()
 
 
@@ -148,26 +242,13 @@ def _load_experts(reader: ShardReader, cfg: ModelConfig, dtype, pin: bool, progr
     store = ExpertStore.empty(
         layers=cfg.num_moe_layers, experts=cfg.num_experts, hidden=h, inter=i, dtype=dtype, pin=pin
     )
-    for m, layer in enumerate(_progress(cfg.moe_layers, progress, "loading experts")):
+    for m, layer in enumerate(track(cfg.moe_layers, "loading experts", show=progress)):
         for e in range(cfg.num_experts):
             g, u, d = expert_tensor_names(layer, e)
             store.w13[m][e, :i] = reader.get(g, (i, h))
             store.w13[m][e, i:] = reader.get(u, (i, h))
             store.w2[m][e] = reader.get(d, (h, i))
     return store
-
-
-def _progress(items: list[int], show: bool, what: str) -> Iterator[int]:
-    if not show:
-        yield from items
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task(what, total=len(items))
-        for item in items:
-            yield item
-            bar.advance(task)
 
 
 def save_checkpoint(

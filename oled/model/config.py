@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,11 @@ ARCHITECTURES = ("LLaDA2MoeModelLM", "BailingMoeV2ForCausalLM")
 
 class ConfigError(ValueError):
     """A config.json that is missing, malformed or asks for something we do not support."""
+
+
+class ConfigWarning(UserWarning):
+    """A config.json field that LLaDA2's reference code ignores, set to a value that honouring
+    it would change the model: OLED-MoE ignores it too, and says so."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +35,7 @@ class ModelConfig:
     first_k_dense_replace: int
     num_experts: int
     num_experts_per_tok: int
-    num_shared_experts: int
+    num_shared_experts: int | None  # None (null): no shared expert, as the reference code reads it
     moe_intermediate_size: int
     n_group: int
     topk_group: int
@@ -72,9 +78,26 @@ class ModelConfig:
 
     @property
     def shared_intermediate_size(self) -> int:
-        if self.moe_shared_expert_intermediate_size:
-            return self.moe_shared_expert_intermediate_size
-        return self.moe_intermediate_size * self.num_shared_experts
+        """The shared expert's width as the reference code sizes it (0: none):
+        moe_intermediate_size x num_shared_experts; moe_shared_expert_intermediate_size is
+        ignored there, and here (see `ignored_fields`)."""
+        return self.moe_intermediate_size * (self.num_shared_experts or 0)
+
+    def ignored_fields(self) -> list[str]:
+        """Fields that the reference code ignores and whose value would change the model if it
+        were honoured: each one as a sentence (empty when none)."""
+        out = []
+        if not self.norm_topk_prob and self.num_experts_per_tok > 1:
+            out.append("norm_topk_prob = false: LLaDA2's reference code ignores it and always "
+                       "normalises the top-k gate weights; so does OLED-MoE")  # fmt: skip
+        shared = self.moe_shared_expert_intermediate_size
+        if shared and shared != self.shared_intermediate_size:
+            out.append(
+                f"moe_shared_expert_intermediate_size = {shared}: LLaDA2's reference code "
+                "ignores it and sizes the shared expert as moe_intermediate_size x "
+                f"num_shared_experts = {self.shared_intermediate_size}; so does OLED-MoE"
+            )
+        return out
 
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up and down projections)."""
@@ -96,6 +119,8 @@ class ModelConfig:
             raise bad(
                 "partial_rotary_factor", "head_dim * factor must be even and in (0, head_dim]"
             )
+        if self.num_shared_experts is not None and self.num_shared_experts < 0:
+            raise bad("num_shared_experts", "must be >= 0 or null")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise bad("first_k_dense_replace", "must be between 0 and num_hidden_layers")
         if self.num_experts % self.n_group:
@@ -142,11 +167,14 @@ class ModelConfig:
             if isinstance(values.get(key), list):
                 values[key] = values[key][0]
         try:
-            return cls(**values)
+            cfg = cls(**values)
         except ConfigError as err:
             raise ConfigError(str(err).replace("config.json", source, 1)) from None
         except TypeError as err:
             raise ConfigError(f"{source}: {err}") from None
+        for sentence in cfg.ignored_fields():
+            warnings.warn(f"{source}: {sentence}", ConfigWarning, stacklevel=2)
+        return cfg
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
@@ -164,7 +192,7 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["architectures"] = list(self.architectures)
-        return {k: v for k, v in out.items() if v is not None}
+        return {k: v for k, v in out.items() if v is not None or k == "num_shared_experts"}
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

@@ -35,15 +35,17 @@ class Rotary:
 
     def __init__(self, *, dim: int, theta: float) -> None:
         self.dim = dim
-        steps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")
-        self.inv_freq = theta ** (-steps / dim)  # [dim/2], on the host even under a meta device
+        # fp32 on the host, as LLaDA2's reference code computes them (float64 differs by one
+        # rounding step in some frequencies, which grows with position); host even under meta
+        steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+        self.inv_freq = 1.0 / (theta ** (steps / dim))  # [dim/2] fp32
         self._cached: dict = {}
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin for absolute positions [T] -> each [T, dim]."""
         inv = self._cached.get(positions.device)
         if inv is None:
-            inv = self._cached[positions.device] = self.inv_freq.float().to(positions.device)
+            inv = self._cached[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * inv[None, :]  # [T, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -155,7 +157,7 @@ class Router(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
         self.scale = cfg.routed_scaling_factor
-        self.normalise = cfg.norm_topk_prob and self.top_k > 1
+        self.normalise = self.top_k > 1  # norm_topk_prob is ignored, as by the reference code
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, H] -> (expert ids [T, K] int64, gate weights [T, K] fp32)."""

@@ -108,7 +108,8 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, moe_index: int) -> None:
         super().__init__()
         self.gate = Router(cfg)
-        self.shared_experts = MLP(cfg.hidden_size, cfg.shared_intermediate_size)
+        shared = cfg.shared_intermediate_size  # 0: none (num_shared_experts null or 0)
+        self.shared_experts = MLP(cfg.hidden_size, shared) if shared else None
         self.moe_index = moe_index
         self.executor: ExpertExecutor | None = None
         self.hooks: list[RoutingHook] = []
@@ -137,6 +138,8 @@ class MoE(nn.Module):
 
     def finish(self, x: Tensor, request: MoERequest, routed: Tensor) -> Tensor:
         """Routed [T, H] plus the shared expert, in x's shape [B, T, H]."""
+        if self.shared_experts is None:
+            return routed.view(x.shape)
         return (routed + self.shared_experts(request.x)).view(x.shape)
 
 
@@ -179,6 +182,17 @@ class LLaDA2Model(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(dim=cfg.rotary_dim, theta=cfg.rope_theta)
+        self.tie_weights()
+
+    def tied_names(self) -> set[str]:
+        """State-dict names that are views of another tensor (not read from a checkpoint):
+        lm_head.weight when tie_word_embeddings is true, as the reference code ties it."""
+        return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+
+    def tie_weights(self) -> None:
+        """The output projection is the embedding matrix when tie_word_embeddings is true."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.word_embeddings.weight
 
     @property
     def moe_blocks(self) -> list[MoE]:

@@ -18,7 +18,22 @@ ROLES = {"system": "SYSTEM", "user": "HUMAN", "assistant": "ASSISTANT"}
 
 
 class TokenizerError(ValueError):
-    """A tokenizer file that is missing or lacks a token LLaDA2 needs."""
+    """A tokenizer file that is missing or lacks a token LLaDA2 needs, or text it cannot encode."""
+
+
+def check_text(text: str, what: str = "the text") -> str:
+    """`text`, checked to be Unicode that UTF-8 can encode; a TokenizerError naming `what` and
+    the first bad character otherwise (bytes that are not UTF-8 on the command line reach
+    Python as lone surrogates, U+DC80-U+DCFF for bytes 0x80-0xff)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        found = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise TokenizerError(
+            f"{what} is not valid UTF-8 text ({found} at character {err.start})"
+        ) from None
+    return text
 
 
 class Tokenizer:
@@ -59,7 +74,7 @@ class Tokenizer:
         return self.inner.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self.inner.encode(text, add_special_tokens=False).ids
+        return self.inner.encode(check_text(text), add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
         return self.inner.decode(list(ids), skip_special_tokens=skip_special)

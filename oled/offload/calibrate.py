@@ -1,4 +1,4 @@
-"""A start-up micro-benchmark that fits the cost model to this machine, cached per machine."""
+"""A micro-benchmark that fits the cost model to this machine once, stored per machine key."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import hashlib
 import json
 import platform
 import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,33 +22,81 @@ from oled.policies.base import CostModel
 _PATHS = "rows-3"  # the engine's copy and CPU-expert paths: a new one measures again
 
 
-def machine_key(store: ExpertStore, device: torch.device) -> str:
-    parts = [
-        platform.processor() or platform.machine(),
-        str(torch.get_num_threads()),
-        torch.__version__,
-        str(tuple(store.w13[0].shape[1:])),
-        str(store.w13[0].dtype),
-        str(store.pinned),
-        torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        kernels.describe(device),
-        _PATHS,
-    ]
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+def machine_parts(store: ExpertStore, device: torch.device) -> dict[str, str]:
+    """What the measured costs depend on: the machine, torch, the expert shape and dtype, where
+    the experts live, the kernels and the engine's paths (a change in any measures again)."""
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "expert shape": str(tuple(store.w13[0].shape[1:])),
+        "dtype": str(store.w13[0].dtype).removeprefix("torch."),
+        "pinned": str(store.pinned),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "kernels": kernels.describe(device),
+        "paths": _PATHS,
+    }
 
 
-def calibrated_cost(store: ExpertStore, device: torch.device, cache_dir: Path) -> CostModel:
-    """The cached cost model for this machine and expert shape, measured on first use."""
-    file = cache_dir / f"cost-{machine_key(store, device)}.json"
+def machine_key(parts: dict[str, str]) -> str:
+    """A short digest of `machine_parts` (the file name of its calibration)."""
+    return hashlib.sha1("|".join(parts.values()).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A cost model measured once on this machine, the key it is stored under and when."""
+
+    cost: CostModel
+    parts: dict[str, str]
+    measured: str  # UTC, ISO 8601
+    file: Path
+
+    def describe(self) -> dict[str, Any]:
+        """For reports: where the decisions' costs come from, and the costs."""
+        return {"source": "calibrated", "file": str(self.file), "measured": self.measured,
+                "key": machine_key(self.parts), **self.parts, **asdict(self.cost)}  # fmt: skip
+
+    def to_json(self) -> str:
+        data = {"key": self.parts, "measured": self.measured, "cost": asdict(self.cost)}
+        return json.dumps(data, indent=2) + "\n"
+
+    @classmethod
+    def read(cls, file: Path) -> Calibration:
+        """A stored calibration (ValueError, KeyError, TypeError when not one)."""
+        data = json.loads(file.read_text())
+        cost = CostModel.from_json(json.dumps(data["cost"]))
+        return cls(cost=cost, parts=dict(data["key"]), measured=data["measured"], file=file)
+
+
+def stored_calibrations(cache_dir: Path) -> list[Calibration]:
+    """The calibrations stored under `cache_dir`, newest first (unreadable files skipped)."""
+    out = []
+    for file in sorted(cache_dir.glob("cost-*.json")):
+        try:
+            out.append(Calibration.read(file))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return sorted(out, key=lambda c: c.measured, reverse=True)
+
+
+def calibrated_cost(store: ExpertStore, device: torch.device, cache_dir: Path) -> Calibration:
+    """The stored cost model for this machine and expert shape, measured on first use and
+    reused after: the decisions it drives are the same on every run here."""
+    parts = machine_parts(store, device)
+    file = cache_dir / f"cost-{machine_key(parts)}.json"
     if file.exists():
         try:
-            return CostModel.from_json(file.read_text())
-        except (ValueError, TypeError, json.JSONDecodeError):
+            return Calibration.read(file)
+        except (ValueError, KeyError, TypeError):
             pass  # stale format: measure again
-    cost = measure(store, device)
+    measured = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    calibration = Calibration(measure(store, device), parts, measured, file)
     file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(cost.to_json())
-    return cost
+    tmp = file.with_suffix(".tmp")
+    tmp.write_text(calibration.to_json())
+    tmp.replace(file)  # whole or not at all: a process killed mid-write leaves no half file
+    return calibration
 
 
 def _timed(fn, device: torch.device, repeat: int = 5) -> float:

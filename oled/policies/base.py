@@ -260,8 +260,14 @@ class CompensationPolicy(ABC):
     def observe_cpu(self, *, layer: int, modeled_ms: float, measured_ms: float) -> None:
         """A layer's CPU experts were ready `measured_ms` after the decision (the engine's
         hand-over, waiting and compute); the cost model said `modeled_ms` (optional: a policy
-        may correct its CPU costs from this)."""
+        may correct its CPU costs from this, and is then `adaptive`)."""
         return None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether decisions follow live measured times (then they can differ between runs of
+        the same recipe); False: they follow the cost model only, the same on every run."""
+        return False
 
     def refresh(
         self, *, layer: int, step: int, block: int, capacity: int, tokens: np.ndarray

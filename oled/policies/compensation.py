@@ -57,9 +57,11 @@ class CooperativeCompensation(CompensationPolicy):
     CPU queue + CPU work) + future_weight x reuse x copy cost of every miss left on the CPU.
     CPU work is counted `slowdown` times its cost-model time: CPU experts and copies that run
     at once slow each other (host memory bandwidth, the interpreter lock; measured 6.2 ms of CPU
-    experts alone against 13.4 ms beside copies, DESIGN.md section 5). `slowdown` starts at
-    `cpu_slowdown` and follows the engine's measured CPU-expert time over the cost model's
-    (an average moving by `learn_rate` per measured layer; 0 keeps it fixed).
+    experts alone against 13.4 ms beside copies, DESIGN.md section 5). `slowdown` is
+    `cpu_slowdown`, so the same recipe decides the same on every run. Live adaptation is
+    opt-in: with `learn_rate` > 0 it follows the engine's measured CPU-expert time over the
+    cost model's (an average moving by `learn_rate` per measured layer), and decisions then
+    depend on the moment's timings (`adaptive`).
     """
 
     def __init__(
@@ -68,7 +70,7 @@ class CooperativeCompensation(CompensationPolicy):
         future_weight: float = 1.0,
         horizon: int = 1,
         cpu_slowdown: float = 2.2,
-        learn_rate: float = 0.2,
+        learn_rate: float = 0.0,
     ) -> None:
         if cpu_slowdown <= 0 or not 0 <= learn_rate <= 1:
             raise ValueError(
@@ -84,6 +86,11 @@ class CooperativeCompensation(CompensationPolicy):
     def reset(self, *, num_layers: int, num_experts: int) -> None:
         """Forget what was learned: `slowdown` back to `cpu_slowdown`."""
         self.slowdown = self.cpu_slowdown
+
+    @property
+    def adaptive(self) -> bool:
+        """Live adaptation is on (learn_rate > 0)."""
+        return self.learn_rate > 0
 
     def observe_cpu(self, *, layer: int, modeled_ms: float, measured_ms: float) -> None:
         """Move `slowdown` towards measured / modeled (clipped to [0.25, 50])."""

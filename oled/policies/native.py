@@ -2,13 +2,13 @@
 library with the offload engine's layer launches (oled/offload/drive.c, used through
 oled.offload.driver).
 
-The C code is built on first use with the system's C compiler (`$CC`, else `cc`) into the cache
-directory ($OLED_HOME/native) and loaded with ctypes. It decides exactly as the Python planner:
-the same floating-point operations in the same order, the same tie rules (tests check every
-field of every plan). Policies it does not know, and machines without a compiler, keep the
-Python planner. It holds the addresses of the caches', the policies' and the planner's arrays:
-those are updated in place, never replaced, except the caches that a resize rebuilds
-(`bind_caches`).
+The C code is built on first use with the system's C compiler (`$CC`, else `cc`, else `gcc`)
+into the cache directory ($OLED_HOME/native) and loaded with ctypes. It decides exactly as the
+Python planner: the same floating-point operations in the same order, the same tie rules (tests
+check every field of every plan). Policies it does not know, and machines without a compiler,
+keep the Python planner. It holds the addresses of the caches', the policies' and the
+planner's arrays: those are updated in place, never replaced, except the caches that a resize
+rebuilds (`bind_caches`).
 
 On load the C side's contract (each struct's size and fields, its tables of names) is checked
 against the Python mirrors (`Bind`, the policy kinds, the counters, the output's layout): any
@@ -63,8 +63,9 @@ COMPENSATION = {C.TransferOnly: 1, C.Resident: 1, C.CpuOnly: 2, C.BatchThreshold
 _PREDICTED_HITS = COUNTERS.index("predicted_hits")
 
 
-class NativeUnavailable(RuntimeError):
-    """The compiled planner cannot be built or loaded here."""
+class NativeUnavailable(OSError):
+    """The compiled planner cannot be built or loaded here: what this machine lacks (a C
+    compiler, a loadable library), so an OSError, which commands report as one line."""
 
 
 class ContractError(RuntimeError):
@@ -218,11 +219,18 @@ def unsupported(retention: RetentionPolicy, compensation: CompensationPolicy) ->
     return None
 
 
+PYTHON_PLANNER = 'runtime.planner = "python" in the recipe, or --set runtime.planner=python'
+
+
 def _compiler() -> str:
-    cc = os.environ.get("CC") or "cc"
-    found = shutil.which(cc) or shutil.which("gcc")
+    """The C compiler to build with: $CC, else `cc`, else `gcc` (found on $PATH)."""
+    tried = [f"$CC={os.environ['CC']}"] if os.environ.get("CC") else ["cc"]
+    found = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
     if not found:
-        raise NativeUnavailable(f"no C compiler found (tried $CC, {cc!r} and 'gcc')")
+        raise NativeUnavailable(
+            f"no C compiler found (tried {', '.join([*tried, 'gcc'])} on $PATH): the compiled "
+            f"planner needs one; install one or set $CC, or plan in Python ({PYTHON_PLANNER})"
+        )
     return found
 
 

@@ -335,6 +335,11 @@ class Planner:
         """Whether plans run compiled (oled.policies.native)."""
         return self.native is not None
 
+    @property
+    def adaptive(self) -> bool:
+        """Whether a policy follows live measured times (decisions may differ between runs)."""
+        return self.compensation.adaptive
+
     # -- allocation -------------------------------------------------------------------------
 
     def _allocate(self, stats: LayerStats | None) -> list[int]:

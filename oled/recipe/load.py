@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
@@ -18,11 +19,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from oled import registry as reg
 from oled.recipe.locate import Locator, set_origins
 from oled.recipe.schema import (
+    BUILTIN,
     DEFAULT_MODEL,
     Component,
     Recipe,
     TuneSection,
-    WorkloadSection,
+    beside,
     routing_trace,
 )
 from oled.recipe.toml import key_lines, line_of_error, tomllib
@@ -38,16 +40,15 @@ def load_recipe(
     overrides: Sequence[str] = (),
     *,
     skip_params: Iterable[str] = (),
+    require_model: bool = False,
 ) -> Recipe:
     """Load, override (`a.b=value`, value parsed as TOML, else a string) and validate a recipe.
 
-    `skip_params`: policy kinds whose parameters are not checked (only their names are).
+    `skip_params`: policy kinds whose parameters are not checked (only their names are);
+    `require_model`: the model's checkpoint must be on this machine (`oled validate`).
     """
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise RecipeError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    text = read_text(path)
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -56,9 +57,23 @@ def load_recipe(
         raise RecipeError(f"{path}:{line}: invalid TOML: {msg}") from None
     keys = apply_overrides(raw, overrides)
     origins = set_origins(sorted(keys))
-    recipe = validate(raw, source=path, lines=key_lines(text), origins=origins, skip=skip_params)
+    recipe = validate(raw, source=path, lines=key_lines(text), origins=origins, skip=skip_params,
+                      require_model=require_model)  # fmt: skip
     recipe._path = path
     return recipe
+
+
+def read_text(path: Path) -> str:
+    """A recipe file's text; a RecipeError naming the file when it cannot be read or is not
+    text (a binary file given as a recipe)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        byte = exc.object[exc.start]
+        raise RecipeError(f"{path}: not a TOML recipe: not UTF-8 text (byte 0x{byte:02x} at "
+                          f"offset {exc.start})") from None  # fmt: skip
 
 
 def override(
@@ -138,10 +153,11 @@ def validate(
     origins: Mapping[str, str] | None = None,
     skip: Iterable[str] = (),
     base: Path | None = None,
+    require_model: bool = False,
 ) -> Recipe:
-    """Validate raw data into a Recipe, checking component params, tuned keys and the routing
-    trace (relative paths from `base`, by default the source's folder); `origins`: the
-    overridden keys and how the user gave each (Locator)."""
+    """Validate raw data into a Recipe, checking component params, tuned keys and the traces
+    it names (relative paths from `base`, by default the source's folder); `origins`: the
+    overridden keys and how the user gave each (Locator); `require_model`: see load_recipe."""
     where = Locator(source, lines, origins or {})
     try:
         recipe = Recipe.model_validate(raw)
@@ -149,33 +165,119 @@ def validate(
         raise RecipeError(where.describe(exc, Recipe)) from None
     if base is None and source is not None:
         base = source.parent
-    _check_routing(recipe.workload, where, base)
+    if require_model:
+        _check_model(recipe.model.path, where)
+    _check_routing(recipe, where, base)
     skip = set(skip)
     for kind in reg.POLICY_KINDS:
         component = getattr(recipe.policy, kind)
         if component is not None:
             _check_component(kind, component, where, check_params=kind not in skip)
     if recipe.tune is not None:
-        _check_tuned_keys(raw, recipe.tune, where, skip)
+        _check_tuned_keys(raw, recipe.tune, where, skip, base)
+        _check_study_trace(recipe, where, base)
     return recipe
 
 
-def _check_routing(workload: WorkloadSection, where: Locator, base: Path | None) -> None:
-    """A trace routing names a readable trace file, and the prompt selection fits it."""
+RECORD = "oled trace record RECIPE -o {path} records one"  # how a missing trace is made
+
+
+def _check_model(model: str, where: Locator) -> None:
+    """The model's checkpoint is on this machine (a built-in always is: made on first use)."""
+    if model.startswith(BUILTIN):
+        return
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        missing = "no config.json in" if path.is_dir() else "no such directory:"
+        problem = f"{missing} {path} (oled model init {path} --preset NAME writes one)"
+        raise RecipeError(where.line(("model", "path"), problem))
+
+
+def _check_trace(path: Path, loc: tuple[str, ...], where: Locator, model: str) -> int:
+    """A trace file that a recipe names at `loc`: readable, a trace, and routing like the
+    recipe's model where that model's config is on this machine; its prompt count."""
+    from oled.decoding.trace_file import prompt_count
+
+    try:
+        count = prompt_count(path)
+    except FileNotFoundError:
+        problem = f"no such file: {path} ({RECORD.format(path=path)})"
+        raise RecipeError(where.line(loc, problem)) from None
+    except ValueError as exc:
+        raise RecipeError(where.line(loc, str(exc))) from None
+    try:
+        mismatch = routes_unlike(trace_meta(path), model)
+    except ValueError as exc:  # the model's config.json
+        raise RecipeError(where.line(("model", "path"), str(exc))) from None
+    if mismatch is not None:
+        raise RecipeError(where.line(loc, mismatch))
+    return count
+
+
+def _check_study_trace(recipe: Recipe, where: Locator, base: Path | None) -> None:
+    """A study that simulates names a trace file that routes like the recipe's model."""
+    tune = recipe.tune
+    assert tune is not None
+    if tune.trace is not None:
+        _check_trace(beside(tune.trace, base), ("tune", "trace"), where, recipe.model.path)
+    elif tune.objective == "simulate":
+        problem = f"'simulate' replays a trace: set tune.trace ({RECORD.format(path='PATH')})"
+        raise RecipeError(where.line(("tune", "objective"), problem))
+
+
+def trace_meta(path: Path) -> Any:
+    """A trace file's TraceMeta (its header only)."""
+    from safetensors import safe_open
+
+    from oled.decoding.trace_file import TraceMeta
+
+    with safe_open(str(path), framework="np") as f:
+        return TraceMeta.from_strings(f.metadata() or {})
+
+
+def model_config(model: str) -> Any:
+    """The ModelConfig of a recipe's `model.path` without building anything: a directory's
+    config.json, a built-in's (the shipped default, else its preset); None when the
+    directory holds no config.json."""
+    from oled.model.config import ModelConfig
+
+    if model.startswith(BUILTIN):
+        from oled.model.presets import preset_config
+        from oled.runtime import shipped_default
+
+        name = model.removeprefix(BUILTIN)
+        shipped = shipped_default() if name == "tiny" else None
+        return ModelConfig.from_json(shipped) if shipped else preset_config(name)
+    path = Path(model).expanduser()
+    return ModelConfig.from_json(path) if (path / "config.json").is_file() else None
+
+
+def routes_unlike(meta: Any, model: str) -> str | None:
+    """Why a trace (its TraceMeta) does not route like the model of `model.path` (its MoE
+    layers, experts and top-k), or None: when it does, or when that model is not on this
+    machine to compare with."""
+    from oled.decoding.replay import check_geometry
+
+    config = model_config(model)
+    if config is None:
+        return None
+    try:
+        check_geometry(SimpleNamespace(meta=meta), config)  # it reads a trace's `meta`
+    except ValueError as exc:
+        return f"{exc} (model.path {model})"
+    return None
+
+
+def _check_routing(recipe: Recipe, where: Locator, base: Path | None) -> None:
+    """A trace routing names a trace file (_check_trace), and the prompt selection fits it."""
+    workload = recipe.workload
     path = routing_trace(workload.routing, base)
     if path is None:
         if workload.trace_prompts is not None:
             problem = "needs workload.routing = 'trace:PATH'"
             raise RecipeError(where.line(("workload", "trace_prompts"), problem))
         return
-    from oled.decoding.trace_file import prompt_count
-
-    try:
-        count = prompt_count(path)
-    except FileNotFoundError:
-        raise RecipeError(where.line(("workload", "routing"), f"no such file: {path}")) from None
-    except ValueError as exc:
-        raise RecipeError(where.line(("workload", "routing"), str(exc))) from None
+    count = _check_trace(path, ("workload", "routing"), where, recipe.model.path)
     from oled.decoding.replay import select_prompts
 
     try:
@@ -209,14 +311,14 @@ def _check_component(kind: str, component: Component, where: Locator, check_para
 
 
 def _check_tuned_keys(
-    raw: dict[str, Any], tune: TuneSection, where: Locator, skip: Iterable[str]
+    raw: dict[str, Any], tune: TuneSection, where: Locator, skip: Iterable[str], base: Path | None
 ) -> None:
     for key, space in tune.params.items():
         trial = json.loads(json.dumps(raw))
         trial.pop("tune", None)
         try:
             assign(trial, key.split("."), space.sample_value(), key)
-            validate(trial, source=None, lines={}, skip=skip)
+            validate(trial, source=None, lines={}, skip=skip, base=base)
         except RecipeError as exc:
             problem = str(exc).split(": ", 1)[-1]
             raise RecipeError(where.line(("tune", "params", key), problem)) from None

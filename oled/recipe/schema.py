@@ -146,6 +146,15 @@ class DecodingSection(Strict):
     temperature: float = Field(DECODING.temperature, ge=0)
     seed: int = DECODING.seed
     use_cache: bool = DECODING.use_cache  # keep a finished block's KV as the prefix
+    steps: int | None = Field(DECODING.steps, ge=1)  # per block: >= block_length/steps a forward
+    strict_threshold: bool = DECODING.strict_threshold  # commit > threshold, as LLaDA2's generate
+
+    @model_validator(mode="after")
+    def _steps(self) -> DecodingSection:
+        if self.steps is not None and self.steps > self.block_length:
+            raise ValueError(f"steps ({self.steps}) must be at most block_length "
+                             f"({self.block_length})")  # fmt: skip
+        return self
 
     def config(self) -> DecodeConfig:
         """The decoder's settings."""
@@ -190,6 +199,7 @@ class WorkloadSection(Strict):
     repeats: int = Field(1, ge=1)
     chat: bool = True
     follow: bool = False  # commit the all-resident model's tokens (Runtime.reference)
+    agreement: bool = True  # free-running: compare each generation with the resident model's
     routing: str = "model"  # "model" (the routers') or "trace:PATH" (a routing replay)
     trace_prompts: str | None = None  # with a trace: which of its prompts (I, A:B, list; all)
 
@@ -312,7 +322,7 @@ class Recipe(Strict):
         """Short digest of what decides the measurement (tracking and tune excluded)."""
         data = {k: v for k, v in self.data().items() if k not in ("tracking", "tune")}
         for (section, key), default in HASHED_WHEN_SET.items():
-            if data[section].get(key) == default:
+            if key in data[section] and data[section][key] == default:
                 del data[section][key]
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:12]
@@ -351,6 +361,9 @@ HASHED_WHEN_SET = {
     ("workload", "routing"): "model",
     ("decoding", "use_cache"): True,
     ("runtime", "stage_capacity"): 8,
+    ("decoding", "steps"): None,
+    ("decoding", "strict_threshold"): False,
+    ("workload", "agreement"): True,
 }
 
 

@@ -5,28 +5,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from oled.decoding import DecodeConfig
+from oled.model.tokenizer import TokenizerError, check_text
 from oled.serve import protocol as p
 from oled.serve.engine import Done, Engine, Event, Failed, Job, Piece, RequestError, decode_config
 
 MAX_BODY = 4 << 20
 POLL_S = 0.25
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
+MODEL_ROUTE = "/v1/models/{model}"
+DONE = "data: [DONE]\n\n"
+VALIDATION_CODES = {"extra_forbidden": "unknown_parameter",
+                    "unsupported_parameter": "unsupported_parameter"}  # fmt: skip
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger("oled.serve")
+
+
+def error_body(message: str, kind: str, param=None, code=None) -> p.ErrorResponse:
+    return p.ErrorResponse(error=p.ErrorBody(message=message, type=kind, param=param, code=code))
 
 
 def error_response(status: int, message: str, kind: str, param=None, code=None) -> JSONResponse:
-    body = p.ErrorResponse(error=p.ErrorBody(message=message, type=kind, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    return JSONResponse(error_body(message, kind, param, code).model_dump(), status_code=status)
 
 
 def error_of(err: RequestError) -> JSONResponse:
@@ -41,6 +52,13 @@ def sse(payload: BaseModel | dict | str) -> str:
     return f"data: {payload}\n\n"
 
 
+def route_label(path: str) -> str:
+    """The route a request path counts under in the metrics."""
+    if path in ROUTES:
+        return path
+    return MODEL_ROUTE if path.startswith("/v1/models/") else "other"
+
+
 class CountRequests:
     """ASGI middleware: count responses by route and status without touching the body."""
 
@@ -50,15 +68,42 @@ class CountRequests:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"] if scope["path"] in ROUTES else "other"
+        route = route_label(scope["path"])
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
-                status = str(message["status"])
-                self.metrics.inc("oled_http_requests_total", route=path, status=status)
+                self.metrics.requests.labels(route=route, status=str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+class CatchErrors:
+    """ASGI middleware: an unexpected exception is logged and answered with a 500 in OpenAI's
+    shape, and the connection stays open (Starlette's last-resort handler re-raises, and uvicorn
+    then drops the connection). One raised after the response started still propagates."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watching_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watching_send)
+        except Exception as err:
+            if started:
+                raise
+            log.exception("request failed")
+            response = error_response(500, f"internal error: {type(err).__name__}", "server_error")
+            await response(scope, receive, send)
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -75,13 +120,44 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise RequestError(400, "the body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
         raise RequestError(400, "the body must be a JSON object", code="invalid_json")
+    check_unicode(data)
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        first = err.errors(include_url=False)[0]
-        param = ".".join(str(x) for x in first["loc"]) or None
-        message = f"{param}: {first['msg']}" if param else first["msg"]
-        raise RequestError(400, message, param=param, code="invalid_value") from None
+        raise invalid(err) from None
+
+
+def check_unicode(data: Any) -> None:
+    """Every string of a parsed body is text UTF-8 can encode (JSON's escapes allow lone UTF-16
+    surrogates, `"\\ud800"`, which no tokenizer takes); a 400 naming the field otherwise."""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            check_string(value, path)
+        elif isinstance(value, dict):
+            for key in value:  # before any path is made of them
+                check_string(key, path)
+            todo += [(f"{path}.{key}" if path else key, item) for key, item in value.items()]
+        elif isinstance(value, list):
+            todo += [(f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value)]
+
+
+def check_string(text: str, path: str) -> None:
+    try:
+        check_text(text, path or "the body")
+    except TokenizerError as err:
+        raise RequestError(400, str(err), param=path or None, code="invalid_value") from None
+
+
+def invalid(err: ValidationError) -> RequestError:
+    """The 400 for a body's first validation error, naming its field."""
+    first = err.errors(include_url=False)[0]
+    param = ".".join(str(x) for x in first["loc"]) or None
+    msg = "unrecognized parameter" if first["type"] == "extra_forbidden" else first["msg"]
+    message = f"{param}: {msg}" if param else msg
+    code = VALIDATION_CODES.get(first["type"], "invalid_value")
+    return RequestError(400, message, param=param, code=code)
 
 
 class Server:
@@ -94,6 +170,7 @@ class Server:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.api_key = api_key
+        self.created = p.now()
 
     def authorize(self, request: Request) -> None:
         if not self.api_key:
@@ -104,27 +181,42 @@ class Server:
         ):
             raise RequestError(401, "invalid or missing API key", code="invalid_api_key")
 
+    def model_card(self, name: str) -> p.ModelCard:
+        """The served model's card; 404 for any other name."""
+        if name != self.model_name:
+            raise RequestError(404, f"the model {name!r} does not exist; this server has "
+                               f"{self.model_name!r}", param="model", code="model_not_found")  # fmt: skip
+        return p.ModelCard(id=name, created=self.created)
+
     def make_job(self, req: p.SamplingParams, prompt_ids: list[int]) -> Job:
         """Check the request against the loaded model and queue it."""
         rt = self.engine.require_ready()
-        if req.model != self.model_name:
-            raise RequestError(404, f"the model {req.model!r} does not exist; this server has "
-                               f"{self.model_name!r}", param="model", code="model_not_found")  # fmt: skip
+        self.model_card(req.model)  # 404 unless it names the served model
+        decode = self.decoding(req, rt.decode)
+        check_length(prompt_ids, decode, rt.config.max_position_embeddings)
+        job = Job(prompt_ids, decode, asyncio.get_running_loop(), stops=req.stop or [])
+        return self.engine.submit(job)
+
+    def decoding(self, req: p.SamplingParams, base: DecodeConfig) -> DecodeConfig:
+        """The request's decoding: the server's with the request's fields over it."""
         wanted = req.wanted_tokens() or min(self.default_max_tokens, self.max_tokens)
         if wanted > self.max_tokens:
             raise RequestError(400, f"max_tokens is {wanted}; this server allows at most "
                                f"{self.max_tokens}", param="max_tokens", code="invalid_value")  # fmt: skip
         try:
             decode = decode_config(
-                rt.decode, max_new_tokens=wanted,
+                base, max_new_tokens=wanted,
                 block_length=req.block_length, threshold=req.threshold,
                 temperature=req.temperature, seed=req.seed,
             )  # fmt: skip
         except ValueError as err:
             raise RequestError(400, str(err), code="invalid_value") from None
-        check_length(prompt_ids, decode, rt.config.max_position_embeddings)
-        job = Job(prompt_ids, decode, asyncio.get_running_loop(), stops=req.stop or [])
-        return self.engine.submit(job)
+        if req.top_p is not None and req.top_p < 1 and decode.temperature > 0:
+            raise RequestError(400, "top_p: below 1 only with temperature 0 (greedy decoding "
+                               "keeps the likeliest token, which every nucleus holds); this "
+                               "server does no nucleus sampling", param="top_p",
+                               code="unsupported_value")  # fmt: skip
+        return decode
 
     async def events(self, job: Job, request: Request) -> AsyncIterator[Event]:
         """The job's events; cancels the generation when the client goes away."""
@@ -138,7 +230,7 @@ class Server:
         finally:
             if not job.finished:
                 job.cancel.set()
-                self.engine.metrics.inc("oled_client_disconnects_total")
+                self.engine.metrics.disconnects.inc()
 
 
 def check_length(prompt_ids: list[int], decode, limit: int) -> None:
@@ -163,8 +255,11 @@ def finish(done: Done) -> str:
 
 
 def failure_event(failed: Failed) -> str:
-    return sse({"error": {"message": failed.message, "type": "server_error", "param": None,
-                          "code": "generation_failed"}})  # fmt: skip
+    return sse(error_body(failed.message, failed.kind, code=failed.code))
+
+
+def failure_response(failed: Failed) -> JSONResponse:
+    return error_response(failed.status, failed.message, failed.kind, code=failed.code)
 
 
 def chat_prompt(server: Server, req: p.ChatCompletionRequest) -> list[int]:
@@ -194,7 +289,7 @@ async def chat_completions(server: Server, request: Request) -> Response:
         return streaming(chat_chunks(server, job, request, req, meta))
     text, end = await collect(server, job, request)
     if isinstance(end, Failed):
-        return error_response(500, end.message, "server_error", code="generation_failed")
+        return failure_response(end)
     choice = p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=finish(end))
     body = p.ChatCompletion(**meta, choices=[choice], usage=usage(end), oled=end.stats)
     return JSONResponse(body.model_dump())
@@ -205,19 +300,17 @@ async def chat_chunks(server, job, request, req, meta) -> AsyncIterator[str]:
         choice = p.ChunkChoice(delta=delta, finish_reason=reason)
         return sse(p.ChatCompletionChunk(**meta, choices=[choice], **extra))
 
+    def end(done: Done) -> list[str]:
+        last = chunk(p.Delta(), finish(done), oled=done.stats)
+        if not req.include_usage:
+            return [last]
+        return [last, sse(p.ChatCompletionChunk(**meta, choices=[], usage=usage(done)))]
+
     yield chunk(p.Delta(role="assistant", content=""))
-    async with contextlib.aclosing(server.events(job, request)) as events:
-        async for event in events:
-            if isinstance(event, Piece):
-                yield chunk(p.Delta(content=event.text))
-            elif isinstance(event, Failed):
-                yield failure_event(event)
-                return
-            elif isinstance(event, Done):
-                yield chunk(p.Delta(), finish(event), oled=event.stats)
-                if req.include_usage:
-                    yield sse(p.ChatCompletionChunk(**meta, choices=[], usage=usage(event)))
-                yield "data: [DONE]\n\n"
+    lines = sse_lines(server, job, request, lambda text: chunk(p.Delta(content=text)), end)
+    async with contextlib.aclosing(lines):
+        async for line in lines:
+            yield line
 
 
 async def completions(server: Server, request: Request) -> Response:
@@ -231,7 +324,7 @@ async def completions(server: Server, request: Request) -> Response:
         return streaming(text_chunks(server, job, request, req, meta, echo))
     text, end = await collect(server, job, request)
     if isinstance(end, Failed):
-        return error_response(500, end.message, "server_error", code="generation_failed")
+        return failure_response(end)
     choice = p.TextChoice(text=echo + text, finish_reason=finish(end))
     body = p.Completion(**meta, choices=[choice], usage=usage(end), oled=end.stats)
     return JSONResponse(body.model_dump())
@@ -242,20 +335,33 @@ async def text_chunks(server, job, request, req, meta, echo: str) -> AsyncIterat
         choice = p.TextChoice(text=text, finish_reason=reason)
         return sse(p.Completion(**meta, choices=[choice], **extra))
 
+    def end(done: Done) -> list[str]:
+        last = chunk("", finish(done), oled=done.stats)
+        if not req.include_usage:
+            return [last]
+        return [last, sse(p.Completion(**meta, choices=[], usage=usage(done)))]
+
     if echo:
         yield chunk(echo)
+    lines = sse_lines(server, job, request, chunk, end)
+    async with contextlib.aclosing(lines):
+        async for line in lines:
+            yield line
+
+
+async def sse_lines(server: Server, job: Job, request: Request, piece: Callable[[str], str],
+                    end: Callable[[Done], list[str]]) -> AsyncIterator[str]:  # fmt: skip
+    """A stream's events as SSE lines: `piece(text)` per piece, then `end(done)`, else an error
+    event; then `[DONE]`."""
     async with contextlib.aclosing(server.events(job, request)) as events:
         async for event in events:
             if isinstance(event, Piece):
-                yield chunk(event.text)
-            elif isinstance(event, Failed):
-                yield failure_event(event)
-                return
-            elif isinstance(event, Done):
-                yield chunk("", finish(event), oled=event.stats)
-                if req.include_usage:
-                    yield sse(p.Completion(**meta, choices=[], usage=usage(event)))
-                yield "data: [DONE]\n\n"
+                yield piece(event.text)
+                continue
+            last = end(event) if isinstance(event, Done) else [failure_event(event)]
+            for line in last:
+                yield line
+            yield DONE
 
 
 async def collect(server: Server, job: Job, request: Request) -> tuple[str, Done | Failed]:
@@ -291,7 +397,8 @@ def create_app(engine: Engine, *, model_name: str, default_max_tokens: int = 256
     app.state.server = server
     add_error_handlers(app)
     add_routes(app, server)
-    app.add_middleware(CountRequests, metrics=engine.metrics)
+    app.add_middleware(CatchErrors)
+    app.add_middleware(CountRequests, metrics=engine.metrics)  # outside: counts CatchErrors' 500s
     return app
 
 
@@ -306,15 +413,19 @@ def add_routes(app: FastAPI, server: Server) -> None:
         return JSONResponse(body, status_code=200 if engine.state == "ready" else 503)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        engine.metrics.set("oled_model_ready", float(engine.state == "ready"))
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=engine.metrics.content_type)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         server.authorize(request)
-        card = p.ModelCard(id=server.model_name, created=p.now())
+        card = server.model_card(server.model_name)
         return JSONResponse(p.ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> JSONResponse:
+        server.authorize(request)
+        return JSONResponse(server.model_card(model).model_dump())
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -338,7 +449,3 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
         return error_response(400, str(err.errors()[:1]), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request: Request, err: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(err).__name__}", "server_error")

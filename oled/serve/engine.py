@@ -3,7 +3,8 @@
 The model loads in that thread after the server starts listening (`/health` says 503 until it
 is ready). Each request becomes a `Job`; the worker streams text `Piece`s and then one `Done` or
 `Failed` into the job's asyncio queue. Setting `job.cancel` (a client went away) stops the
-generation at the next forward through `Runtime.stream(cancelled=...)`.
+generation at the next forward through `Runtime.stream(cancelled=...)`. `Engine.close` (the
+server is shutting down) ends every open job at once with a 503 `Failed`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -52,12 +54,22 @@ class Done:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    status: int = 500
+    code: str = "generation_failed"
+
+    @property
+    def kind(self) -> str:
+        """The OpenAI error type."""
+        return "service_unavailable" if self.status == 503 else "server_error"
+
+
+SHUTTING_DOWN = "the server is shutting down"
 
 
 Event = Piece | Done | Failed
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One request on its way through the worker."""
 
@@ -89,30 +101,60 @@ class Engine:
         self._loader = loader
         self.metrics = metrics or Metrics()
         self.runtime: Runtime | None = None
-        self.state = "loading"  # "ready", "failed"
+        self.state = "loading"  # "ready", "failed", "stopping"
         self.error = ""
+        self._lock = threading.Lock()
+        self._live: set[Job] = set()  # submitted, not yet ended
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._main, name="oled-engine", daemon=True)
+        self.metrics.watch(ready=lambda: self.state == "ready", queue_depth=self._jobs.qsize)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
+        """Let the worker finish (it is a daemon thread: a load that is still running does not
+        keep the process)."""
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def close(self) -> None:
+        """Refuse new requests and end every queued or running one with a 503 `Failed`."""
+        with self._lock:
+            self.state = "stopping"
+            live = list(self._live)
+        for job in live:
+            job.cancel.set()
+            self._end(job, Failed(SHUTTING_DOWN, status=503, code="server_shutting_down"))
+
     def require_ready(self) -> Runtime:
         if self.state == "ready" and self.runtime is not None:
             return self.runtime
-        message = "the model is still loading" if self.state == "loading" else self.error
+        messages = {"loading": "the model is still loading", "stopping": SHUTTING_DOWN}
+        message = messages.get(self.state, self.error)
         raise RequestError(503, message, kind="service_unavailable", code="model_not_ready")
 
     def submit(self, job: Job) -> Job:
-        self.require_ready()
+        with self._lock:
+            self.require_ready()
+            self._live.add(job)
         self._jobs.put(job)
-        self.metrics.set("oled_queue_depth", self._jobs.qsize())
         return job
+
+    def _end(self, job: Job, event: Done | Failed) -> None:
+        """Send the job's last event, once (the worker and `close` may both try)."""
+        with self._lock:
+            if job not in self._live:
+                return
+            self._live.discard(job)
+        job.emit(event)
+
+    def _set_state(self, state: str, error: str = "") -> None:
+        """Leave "loading" (a shutdown that came first wins)."""
+        with self._lock:
+            if self.state == "loading":
+                self.state, self.error = state, error
 
     # worker thread ------------------------------------------------------------------------
 
@@ -122,35 +164,30 @@ class Engine:
             self.runtime = self._loader()
         except Exception as err:  # noqa: BLE001 - reported through /health
             log.exception("loading the model failed")
-            self.state, self.error = "failed", f"loading the model failed: {err}"
-            self._fail_queued()
+            self._set_state("failed", f"loading the model failed: {err}")
             return
-        self.metrics.set("oled_model_load_seconds", time.perf_counter() - t0)
-        self.state = "ready"
+        self.metrics.load_seconds.set(time.perf_counter() - t0)
+        self._set_state("ready")
         while (job := self._jobs.get()) is not None:
-            self.metrics.set("oled_queue_depth", self._jobs.qsize())
             self._serve(job)
-
-    def _fail_queued(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job.emit(Failed(self.error))
 
     def _serve(self, job: Job) -> None:
         if job.cancel.is_set():
-            self.metrics.inc("oled_generations_total", finish_reason="cancelled")
-            job.emit(Done("cancelled", len(job.prompt_ids), 0, {}))
+            self.metrics.generations.labels(finish_reason="cancelled").inc()
+            self._end(job, Done("cancelled", len(job.prompt_ids), 0, {}))
             return
         try:
             done = self._generate(job)
         except Exception as err:  # noqa: BLE001 - sent to the client as an error event
             log.exception("generation failed")
-            self.metrics.inc("oled_generations_total", finish_reason="error")
-            job.emit(Failed(f"generation failed: {type(err).__name__}: {err}"))
+            self.metrics.generations.labels(finish_reason="error").inc()
+            self._end(job, Failed(f"generation failed: {type(err).__name__}: {err}"))
             return
         self.metrics.record_generation(
-            done.stats, done.finish_reason, time.perf_counter() - job.submitted
-        )
-        job.emit(done)
+            done.stats, finish=done.finish_reason, prompt_tokens=done.prompt_tokens,
+            completion_tokens=done.completion_tokens, seconds=time.perf_counter() - job.submitted,
+        )  # fmt: skip
+        self._end(job, done)
 
     def _generate(self, job: Job) -> Done:
         rt = self.runtime
@@ -168,7 +205,7 @@ class Engine:
             job.emit(Piece(tail))
         stats = stats_dict(rt)
         finish = "stop" if text.stopped else rt.last_stats.stopped
-        return Done(finish, len(job.prompt_ids), len(text.ids), stats)
+        return Done(finish, len(job.prompt_ids), text.token_count(), stats)
 
 
 class TextAssembler:
@@ -195,6 +232,17 @@ class TextAssembler:
 
     def flush(self) -> str:
         return self._take(len(self.text))
+
+    def token_count(self) -> int:
+        """The tokens that make the text: all of them, or up to the one that ends the text
+        before a stop string (a token that straddles the cut counts)."""
+        if not self.stopped:
+            return len(self.ids)
+
+        def covers(n: int) -> bool:
+            return self.tokenizer.decode(self.ids[:n]).startswith(self.text)
+
+        return bisect_left(range(len(self.ids) + 1), True, key=covers)
 
     def _take(self, upto: int) -> str:
         if upto <= self.sent:

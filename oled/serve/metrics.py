@@ -1,88 +1,129 @@
-"""Server counters, written out in the Prometheus text format (version 0.0.4) by hand."""
+"""The server's Prometheus metrics (prometheus-client), in a registry of each app's own."""
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-
-def _labels(pairs: tuple[tuple[str, str], ...]) -> str:
-    if not pairs:
-        return ""
-    inner = ",".join(f'{k}="{v}"' for k, v in pairs)
-    return "{" + inner + "}"
+OFFLOAD_COUNTERS = {
+    "hits": "Expert lookups found in the GPU slot cache",
+    "misses": "Expert lookups not in the GPU slot cache",
+    "copies": "Experts copied from host memory to the GPU",
+    "copy_bytes": "Bytes of experts copied from host memory to the GPU",
+    "cpu_experts": "Expert passes computed on the CPU",
+}
 
 
 class Metrics:
-    """Thread-safe counters for requests, tokens, latency and offload figures."""
+    """Requests, generations, tokens, latency and the offload engine's figures (thread-safe).
+
+    The offload metrics appear once the engine reports them (never when every expert is
+    resident)."""
+
+    content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "oled_http_requests",
+            "HTTP responses by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.generations = Counter(
+            "oled_generations",
+            "Generations by finish reason (stop, length, cancelled, error)",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "oled_prompt_tokens", "Prompt tokens of finished generations", registry=r
+        )
+        self.completion_tokens = Counter(
+            "oled_completion_tokens",
+            "Completion tokens returned (usage.completion_tokens)",
+            registry=r,
+        )
+        self.forwards = Counter(
+            "oled_forwards", "Model forwards (denoising iterations)", registry=r
+        )
+        self.decode_seconds = Counter("oled_decode_seconds", "Seconds spent decoding", registry=r)
+        self.disconnects = Counter(
+            "oled_client_disconnects",
+            "Requests whose client went away before the generation ended",
+            registry=r,
+        )
+        self.latency = Histogram(
+            "oled_request_latency_seconds",
+            "Seconds from a generation's arrival to its end",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.load_seconds = Gauge(
+            "oled_model_load_seconds", "Seconds the model took to load", registry=r
+        )
         self._lock = threading.Lock()
-        self._counters: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
-        self._gauges: dict[str, float] = {}
-        self._latency: list[int] = [0] * len(LATENCY_BUCKETS)
-        self._latency_sum = 0.0
-        self._latency_count = 0
+        self._offload: dict[str, Counter] = {}
+        self._hit_rate: Gauge | None = None
 
-    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+    def watch(self, *, ready: Callable[[], bool], queue_depth: Callable[[], int]) -> None:
+        """Gauges read when scraped: whether the model is ready, requests waiting."""
+        Gauge(
+            "oled_model_ready",
+            "1 once the model is loaded and serving, else 0",
+            registry=self.registry,
+        ).set_function(lambda: float(ready()))
+        Gauge(
+            "oled_queue_depth", "Requests waiting for the decoding worker", registry=self.registry
+        ).set_function(queue_depth)
+
+    def record_generation(
+        self,
+        stats: dict[str, Any],
+        *,
+        finish: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        seconds: float,
+    ) -> None:
+        """One finished generation: its tokens, forwards, latency and offload figures."""
+        self.generations.labels(finish_reason=finish).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        self.forwards.inc(stats.get("iterations", 0))
+        self.decode_seconds.inc(stats.get("seconds", 0.0))
+        self.latency.observe(seconds)
+        self._record_offload(stats.get("offload") or {})
+
+    def _record_offload(self, offload: dict[str, Any]) -> None:
         with self._lock:
-            self._counters[(name, tuple(sorted(labels.items())))] += value
+            if "hit_rate" in offload:
+                if self._hit_rate is None:
+                    self._hit_rate = Gauge(
+                        "oled_expert_hit_rate",
+                        "GPU slot-cache hit rate of the last generation",
+                        registry=self.registry,
+                    )
+                self._hit_rate.set(float(offload["hit_rate"]))
+            for key in OFFLOAD_COUNTERS.keys() & offload.keys():
+                if key not in self._offload:
+                    self._offload[key] = Counter(
+                        f"oled_expert_{key}", OFFLOAD_COUNTERS[key], registry=self.registry
+                    )
+                self._offload[key].inc(float(offload[key]))
 
-    def set(self, name: str, value: float) -> None:
-        with self._lock:
-            self._gauges[name] = value
-
-    def value(self, name: str, **labels: str) -> float:
-        with self._lock:
-            return self._counters[(name, tuple(sorted(labels.items())))]
-
-    def observe_latency(self, seconds: float) -> None:
-        with self._lock:
-            for i, bound in enumerate(LATENCY_BUCKETS):
-                if seconds <= bound:
-                    self._latency[i] += 1
-            self._latency_sum += seconds
-            self._latency_count += 1
-
-    def record_generation(self, stats: dict[str, Any], finish: str, seconds: float) -> None:
-        """One finished (or cancelled) generation: tokens, forwards, latency, offload."""
-        self.inc("oled_generations_total", finish_reason=finish)
-        self.inc("oled_prompt_tokens_total", stats.get("prompt_tokens", 0))
-        self.inc("oled_completion_tokens_total", stats.get("tokens", 0))
-        self.inc("oled_forwards_total", stats.get("iterations", 0))
-        self.inc("oled_decode_seconds_total", stats.get("seconds", 0.0))
-        self.observe_latency(seconds)
-        offload = stats.get("offload") or {}
-        if "hit_rate" in offload:
-            self.set("oled_expert_hit_rate", float(offload["hit_rate"]))
-        for key in ("hits", "misses", "copies", "copy_bytes", "cpu_experts"):
-            if key in offload:
-                self.inc(f"oled_expert_{key}_total", float(offload[key]))
-
-    def render(self) -> str:
+    def render(self) -> bytes:
         """The Prometheus exposition text."""
-        with self._lock:
-            lines: list[str] = []
-            seen: set[str] = set()
-            for (name, labels), value in sorted(self._counters.items()):
-                if name not in seen:
-                    lines.append(f"# TYPE {name} counter")
-                    seen.add(name)
-                lines.append(f"{name}{_labels(labels)} {value:g}")
-            for name, value in sorted(self._gauges.items()):
-                lines += [f"# TYPE {name} gauge", f"{name} {value:g}"]
-            lines += self._render_latency()
-        return "\n".join(lines) + "\n"
-
-    def _render_latency(self) -> list[str]:
-        name = "oled_request_latency_seconds"
-        lines = [f"# TYPE {name} histogram"]
-        for bound, count in zip(LATENCY_BUCKETS, self._latency, strict=True):
-            lines.append(f'{name}_bucket{{le="{bound:g}"}} {count}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self._latency_count}')
-        lines.append(f"{name}_sum {self._latency_sum:g}")
-        lines.append(f"{name}_count {self._latency_count}")
-        return lines
+        return generate_latest(self.registry)

@@ -1,16 +1,19 @@
 """Request and response bodies of the OpenAI-compatible API, plus LLaDA2 extras.
 
-Unknown OpenAI fields are accepted and ignored (clients send many); known fields are validated
-strictly so that a wrong type is a 400, never a crash.
+Every field is validated strictly, so that a wrong type or range is a 400, never a crash. A
+request's own fields are all known: each OpenAI parameter is honoured, ignored because it asks
+nothing of the output (`user`, `metadata`, ...), or `refused` unless it asks for nothing; an
+unknown one is a 400 too. Inside messages and `stream_options`, unknown fields are ignored.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -19,13 +22,29 @@ from pydantic import (
     StrictInt,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 
 MAX_TOKENS_LIMIT = 1 << 20
 Number = StrictInt | StrictFloat
+NO_LOGPROBS = "this server computes no log probabilities"
+NO_TOOLS = "this server does not call tools"
+
+
+def refused(reason: str, *neutral: Any) -> AfterValidator:
+    """A parameter the server cannot honour: accepted only when it asks for nothing (None or
+    one of `neutral`), else a 400 with code `unsupported_parameter`."""
+
+    def check(value: Any) -> Any:
+        if value is None or value in neutral:
+            return value
+        raise PydanticCustomError("unsupported_parameter", "not supported ({reason})",
+                                  {"reason": reason})  # fmt: skip
+
+    return AfterValidator(check)
 
 
 class Lenient(BaseModel):
-    """Request side: ignore unknown fields."""
+    """Nested request parts: ignore unknown fields."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -51,18 +70,30 @@ class StreamOptions(Lenient):
     include_usage: StrictBool = False
 
 
-class SamplingParams(Lenient):
-    """Fields shared by both endpoints."""
+class SamplingParams(BaseModel):
+    """Fields shared by both endpoints; unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(default=None, gt=0.0, le=1.0)  # below 1 only when greedy
     seed: StrictInt | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1)
-    user: str | None = None
+    n: Annotated[StrictInt | None, Field(ge=1, le=128), refused("one choice per request", 1)] = None
+    frequency_penalty: Annotated[
+        Number | None, Field(ge=-2.0, le=2.0), refused("no repetition penalties", 0)
+    ] = None
+    presence_penalty: Annotated[
+        Number | None, Field(ge=-2.0, le=2.0), refused("no repetition penalties", 0)
+    ] = None
+    logit_bias: Annotated[
+        dict[str, Annotated[Number, Field(ge=-100, le=100)]] | None, refused("no logit bias", {})
+    ] = None
+    user: str | None = None  # ignored: names the end user
     # LLaDA2 extras
     block_length: StrictInt | None = Field(default=None, ge=1, le=4096)
     threshold: Number | None = Field(default=None, gt=0.0, le=1.0)
@@ -85,6 +116,27 @@ class SamplingParams(Lenient):
 class ChatCompletionRequest(SamplingParams):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: Annotated[StrictBool | None, refused(NO_LOGPROBS, False)] = None
+    top_logprobs: Annotated[StrictInt | None, Field(ge=0, le=20), refused(NO_LOGPROBS)] = None
+    response_format: Annotated[
+        dict[str, Any] | None, refused("plain text only", {"type": "text"})
+    ] = None
+    tools: Annotated[list[Any] | None, refused(NO_TOOLS, [])] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, refused(NO_TOOLS, "none")] = None
+    functions: Annotated[list[Any] | None, refused(NO_TOOLS, [])] = None
+    function_call: Annotated[str | dict[str, Any] | None, refused(NO_TOOLS, "none")] = None
+    parallel_tool_calls: StrictBool | None = None  # ignored: no tools
+    modalities: Annotated[list[str] | None, refused("text only", ["text"])] = None
+    audio: Annotated[dict[str, Any] | None, refused("text only")] = None
+    prediction: Annotated[dict[str, Any] | None, refused("no predicted outputs")] = None
+    reasoning_effort: Annotated[str | None, refused("not a reasoning model")] = None
+    verbosity: Annotated[str | None, refused("no verbosity control")] = None
+    web_search_options: Annotated[dict[str, Any] | None, refused("no web search")] = None
+    store: Annotated[StrictBool | None, refused("completions are not stored", False)] = None
+    service_tier: Annotated[str | None, refused("one service tier", "auto", "default")] = None
+    metadata: dict[str, str] | None = None  # ignored: tags
+    prompt_cache_key: str | None = None  # ignored: a caching hint
+    safety_identifier: str | None = None  # ignored: names the end user
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -93,6 +145,11 @@ class ChatCompletionRequest(SamplingParams):
 class CompletionRequest(SamplingParams):
     prompt: str | list[StrictInt] | list[str] = Field(min_length=1)
     echo: StrictBool = False
+    logprobs: Annotated[StrictInt | None, Field(ge=0, le=5), refused(NO_LOGPROBS)] = None
+    best_of: Annotated[
+        StrictInt | None, Field(ge=1, le=20), refused("one candidate per request", 1)
+    ] = None
+    suffix: Annotated[str | None, refused("no text after the completion", "")] = None
 
     def wanted_tokens(self) -> int | None:
         return self.max_tokens

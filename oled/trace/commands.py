@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from oled.options import check_writable, save_or_keep, user_errors
 from oled.recipe.schema import DECODING
 
 trace_app = typer.Typer(help="Record routing traces.", no_args_is_help=True)
@@ -16,40 +17,36 @@ console = Console(highlight=False, soft_wrap=True)
 
 
 @trace_app.command("record")
+@user_errors
 def trace_record(
     recipe: Annotated[Path, typer.Argument(help="Recipe naming the model, decoding, workload.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Trace file to write.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
 ) -> None:
     """Decode the recipe's workload and store its routing, confidences and decode states."""
-    from oled.options import user_errors
+    from oled.experiment.run import load_workload
     from oled.recipe import load_recipe
     from oled.runtime import build
+    from oled.trace.record import record, record_replay
 
-    @user_errors
-    def go() -> None:
-        from oled.decoding.trace_file import Trace
-        from oled.experiment.run import load_workload
-        from oled.trace.record import record_replay, record_trace
-
-        r = load_recipe(recipe, set_ or [])
-        work = load_workload(r)  # a trace routing: record its replay on this model
-        runtime = build(r.with_values({"runtime.budget": {"resident": True}}))
-        if work.replay is None:
-            ids = [runtime.prompt_ids(p.as_messages(), chat=True) for p in work.prompts]
-            record_trace(runtime, ids, out)
-        else:
-            record_replay(runtime, *work.replay).save(out)
-        t = Trace.load(out)
-        console.print(
-            f"wrote {out}: {t.num_steps} forwards x {t.meta.num_moe_layers} MoE layers, "
-            f"{t.meta.prompt_count} prompts, {out.stat().st_size / 2**20:.2f} MiB"
-        )
-
-    go()
+    r = load_recipe(recipe, set_ or [])
+    check_writable(out, "--out")
+    work = load_workload(r)  # a trace routing: record its replay on this model
+    runtime = build(r.with_values({"runtime.budget": {"resident": True}}))
+    if work.replay is None:
+        ids = [runtime.prompt_ids(p.as_messages(), chat=True) for p in work.prompts]
+        trace = record(runtime, ids, progress=True)
+    else:
+        trace = record_replay(runtime, *work.replay, progress=True)
+    save_or_keep(trace.save, out, "trace")
+    console.print(
+        f"wrote {out}: {trace.num_steps} forwards x {trace.meta.num_moe_layers} MoE layers, "
+        f"{trace.meta.prompt_count} prompts, {out.stat().st_size / 2**20:.2f} MiB"
+    )
 
 
 @trace_app.command("stats")
+@user_errors
 def trace_stats_cmd(
     traces: Annotated[list[Path], typer.Argument(help="Trace files from `oled trace record`.")],
     json_out: Annotated[
@@ -62,23 +59,19 @@ def trace_stats_cmd(
     """Routing statistics: distinct experts per forward, overlap between forwards, route
     stability and expert reuse by token state, load skew (one column per trace)."""
     from oled.decoding.trace_file import Trace
-    from oled.options import user_errors
     from oled.trace.stats import column_names, stats_table, trace_stats, write_json
 
-    @user_errors
-    def go() -> None:
-        names = column_names(traces)
-        results = [
-            trace_stats(Trace.load(p), block_length=block_length, name=str(p)) for p in traces
-        ]
-        console.print(stats_table(results, names))
-        if json_out is not None:
-            write_json(results, json_out)
-            console.print(f"wrote {json_out}")
-
-    go()
+    if json_out is not None:
+        check_writable(json_out, "--json")
+    names = column_names(traces)
+    results = [trace_stats(Trace.load(p), block_length=block_length, name=str(p)) for p in traces]
+    console.print(stats_table(results, names))
+    if json_out is not None:
+        save_or_keep(lambda path: write_json(results, path), json_out, "JSON")
+        console.print(f"wrote {json_out}")
 
 
+@user_errors
 def simulate_cmd(
     trace_file: Annotated[Path, typer.Argument(help="A trace from `oled trace record`.")],
     recipe: Annotated[Path, typer.Option(help="Recipe whose budget and policies to replay.")],
@@ -90,39 +83,35 @@ def simulate_cmd(
     ] = False,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
 ) -> None:
-    """Replay a trace through policies; hit rates and modelled latency beside the Belady bound."""
+    """Replay a trace through policies; hit rates and modelled latency beside the Belady bound
+    (the recipe's model, where it is on this machine, must route like the trace)."""
     from oled.decoding.trace_file import Trace
-    from oled.options import user_errors
     from oled.recipe import load_recipe
     from oled.trace.simulate import simulate_recipe
 
-    @user_errors
-    def go() -> None:
-        trace = Trace.load(trace_file)
-        base = load_recipe(recipe, set_ or [])
-        runs = {"recipe": base}
-        if baselines:
-            from oled.policies import ANCHORS
+    trace = Trace.load(trace_file)
+    base = load_recipe(recipe, set_ or [])
+    runs = {"recipe": base}
+    if baselines:
+        from oled.policies import ANCHORS
 
-            for name, (a, r, c) in ANCHORS.items():
-                runs[name] = base.with_values(
-                    {"policy.allocation": {"kind": a}, "policy.retention": {"kind": r},
-                     "policy.compensation": {"kind": c}}
-                )  # fmt: skip
-        table = Table(title=f"{trace_file.name}: {trace.num_steps} forwards")
-        for col in ("policy", "hit rate", "Belady bound", "ms/it (model)", "copies/it",
-                    "GB/it", "CPU share"):  # fmt: skip
-            table.add_column(col, justify="left" if col == "policy" else "right")
-        for name, r in runs.items():
-            res, bound = simulate_recipe(trace, r, profile=profile)
-            table.add_row(
-                name, f"{res.hit_rate:.3f}", f"{bound:.3f}", f"{res.ms_per_iteration:.2f}",
-                f"{res.copies_per_iteration:.1f}", f"{res.gb_copied_per_iteration:.3f}",
-                f"{100 * res.cpu_share:.1f}%",
+        for name, (a, r, c) in ANCHORS.items():
+            runs[name] = base.with_values(
+                {"policy.allocation": {"kind": a}, "policy.retention": {"kind": r},
+                 "policy.compensation": {"kind": c}}
             )  # fmt: skip
-        console.print(table)
-
-    go()
+    table = Table(title=f"{trace_file.name}: {trace.num_steps} forwards")
+    for col in ("policy", "hit rate", "Belady bound", "ms/it (model)", "copies/it",
+                "GB/it", "CPU share"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for name, r in runs.items():
+        res, bound = simulate_recipe(trace, r, profile=profile)
+        table.add_row(
+            name, f"{res.hit_rate:.3f}", f"{bound:.3f}", f"{res.ms_per_iteration:.2f}",
+            f"{res.copies_per_iteration:.1f}", f"{res.gb_copied_per_iteration:.3f}",
+            f"{100 * res.cpu_share:.1f}%",
+        )  # fmt: skip
+    console.print(table)
 
 
 def register(app: typer.Typer) -> None:

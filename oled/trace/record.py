@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from oled.decoding.observers import DecodeObserver, IterationInfo
+from oled.progress import track
 
 
 class _StepRecorder(DecodeObserver):
@@ -43,12 +44,15 @@ def recording(runtime):
     return recorder, _StepRecorder(recorder), runtime.model.add_routing_hook(hook)
 
 
-def record(runtime, prompt_ids: list[list[int]], *, decode=None, follow=None):
+def record(
+    runtime, prompt_ids: list[list[int]], *, decode=None, follow=None, progress: bool = False
+):
     """Decode each prompt with `runtime` (its decode settings unless `decode`; committing
-    `follow`'s tokens if given), recording per forward and MoE layer the routing: the Trace."""
+    `follow`'s tokens if given), recording per forward and MoE layer the routing: the Trace.
+    `progress`: a bar per prompt on a terminal (oled.progress.track)."""
     recorder, observer, remove = recording(runtime)
     try:
-        for ids in prompt_ids:
+        for ids in track(prompt_ids, "recording", show=progress):
             for _ in runtime.stream(ids, decode=decode, observers=[observer], follow=follow):
                 pass
     finally:
@@ -56,20 +60,23 @@ def record(runtime, prompt_ids: list[list[int]], *, decode=None, follow=None):
     return recorder.build()
 
 
-def record_replay(runtime, trace, prompts=None):
+def record_replay(runtime, trace, prompts=None, *, progress: bool = False):
     """Replay `trace`'s prompts (indices; all by default) on `runtime` (Runtime.replay),
     recording what the runtime routed, committed and reported: the Trace (the replayed one,
-    row for row, with weights at the recorder's precision)."""
+    row for row, with weights at the recorder's precision); `progress` as in `record`."""
     recorder, observer, remove = recording(runtime)
     try:
-        for index in range(len(runtime.routing_replay(trace))) if prompts is None else prompts:
+        indices = range(len(runtime.routing_replay(trace))) if prompts is None else prompts
+        for index in track(indices, "recording", show=progress):
             runtime.replay(trace, index, observers=[observer])
     finally:
         remove()
     return recorder.build()
 
 
-def record_trace(runtime, prompt_ids: list[list[int]], out: Path) -> Path:
+def record_trace(
+    runtime, prompt_ids: list[list[int]], out: Path, *, progress: bool = False
+) -> Path:
     """`record` the prompts' routing into the trace file `out`."""
-    record(runtime, prompt_ids).save(out)
+    record(runtime, prompt_ids, progress=progress).save(out)
     return out

@@ -231,13 +231,18 @@ def belady_bypass(trace: Trace, capacities: list[int] | np.ndarray) -> float:
 def simulate_recipe(trace, recipe, *, profile: str | None = None):
     """Replay `trace` through a recipe's policies and budget (the runtime's budget kinds that
     count slots, sized for the traced model's shape; the recipe's stage capacity): (SimResult,
-    Belady bound)."""
+    Belady bound). A ValueError when the recipe's model (where it is on this machine) does
+    not route like the trace."""
     from oled.offload.budget import Budget, shape_slots
     from oled.policies import with_oled_defaults
     from oled.policies.base import CostModel
+    from oled.recipe.load import routes_unlike
     from oled.trace.simulate import belady_bypass, simulate
 
     meta = trace.meta
+    mismatch = routes_unlike(meta, recipe.model.path)
+    if mismatch is not None:
+        raise ValueError(f"simulation: {mismatch}")
     try:
         slots = shape_slots(
             Budget(*recipe.runtime.budget.choice()), meta.num_moe_layers, meta.num_experts

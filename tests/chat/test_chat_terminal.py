@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pexpect
@@ -27,6 +28,25 @@ def ask(child: pexpect.spawn, line: str) -> str:
     child.sendline(line)
     child.expect_exact(PROMPT)
     return child.before
+
+
+def wait_reading(child: pexpect.spawn, timeout: float = 30.0) -> None:
+    """Until the chat blocks reading the terminal. CPython's readline checks signals only when
+    its wait for input is interrupted, so a Ctrl+C that lands between the prompt's output and
+    that wait is seen at the next key; on a loaded machine the window is wide enough to hit.
+    A user waits for the prompt before pressing a key, and so does this test: at the wait."""
+    wchan = Path(f"/proc/{child.pid}/wchan")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            where = wchan.read_text()
+        except OSError:  # no /proc: a fixed pause instead
+            time.sleep(1.0)
+            return
+        if "select" in where or "poll" in where:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the chat did not wait for input within {timeout} s")
 
 
 def prompt_tokens(stats: str) -> int:
@@ -78,6 +98,7 @@ def test_ctrl_c_stops_a_reply_and_ctrl_d_leaves(tiny_dir, tmp_path):
         stats = ask(child, "/stats")
         assert "finish: cancelled" in stats
         assert int(re.search(r"reply (\d+) tokens", stats).group(1)) < 3000
+        wait_reading(child)
         child.sendintr()  # at the prompt: a fresh line, still running
         child.expect_exact(PROMPT)
         assert "commands" in ask(child, "/help")

@@ -32,20 +32,22 @@ def test_bench_tiny_writes_a_report(tiny_dir, tmp_path):
     assert report["config"]["prompt_length"] == 20 and "offload" not in row
 
 
-def test_rows_follow_only_the_same_prompt(tiny_dir):
-    from oled.decoding import DecodeConfig, Trajectory
+def test_rows_report_their_agreement_with_the_resident_tokens(tiny_dir):
+    """Free running, each timed run is compared with the resident tokens; following, the runs
+    commit them and one more free run measures the agreement."""
+    from oled.decoding import DecodeConfig
     from oled.runtime import load_runtime
 
     rt = load_runtime(str(tiny_dir), device="cpu", dtype="float32",
                       decode=DecodeConfig(block_length=8))  # fmt: skip
-    cfg = bench.BenchConfig(gen_length=8, prompt_length=20, runs=1, warmup_runs=0)
-    trajectory = Trajectory()
-    first = bench.bench_runtime(rt, cfg, "first", trajectory)
-    assert trajectory.steps and len(trajectory.prompt) == 20 and "agreement" not in first
-    same = bench.bench_runtime(rt, cfg, "same", trajectory)
-    assert same["agreement"] == 1.0 and same["output"] == first["output"]
-    other = bench.bench_runtime(rt, replace(cfg, prompt_length=24), "other", trajectory)
-    assert "agreement" not in other  # another prompt: decoded freely
+    cfg = bench.BenchConfig(gen_length=8, prompt_length=20, runs=2, warmup_runs=0)
+    free = bench.bench_runtime(rt, cfg, "free")
+    assert free["agreement"] == {"tokens_equal": 1.0, "first_divergence": None,
+                                 "max_logit_diff": 0.0, "runs": 2}  # fmt: skip
+    assert "followed_agreement" not in free
+    followed = bench.bench_runtime(rt, cfg, "follow", follow=True)
+    assert followed["followed_agreement"] == 1.0 and followed["agreement"]["runs"] == 1
+    assert followed["output"] == free["output"]
 
 
 def _engine_summary(prompt: dict, *decode: dict) -> dict:
@@ -82,7 +84,7 @@ def test_offload_columns_and_ratios():
     assert copied["offload"]["copy_gb_per_s"] == 50.0  # bytes over the copy stream's busy time
     from rich.console import Console
 
-    console = Console(record=True, width=200)
+    console = Console(record=True, width=260)
     console.print(bench.table(rows))
     text = console.export_text()
     assert "2.00x" in text and "50.0%" in text and "hit rate" in text
@@ -92,7 +94,7 @@ def test_offload_columns_and_ratios():
     rows = bench.with_ratios([*rows, bench.summarise("ahead", [stats([1.0, 5.0])], [ahead])])
     assert rows[-1]["offload"]["predicted_used"] == 0.25
     assert rows[-1]["offload"]["cpu_ms_per_expert"] == 0.25
-    console = Console(record=True, width=260)
+    console = Console(record=True, width=300)
     console.print(bench.table(rows))
     text = console.export_text()
     assert "ahead/it (used)" in text and "4.0 (25%)" in text
@@ -145,9 +147,12 @@ def test_bench_compares_recipes_side_by_side(tiny_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert "resident" in result.output and "lru" in result.output
     first, second = json.loads(next(tmp_path.glob("bench-*.json")).read_text())["rows"]
-    # the second row committed the first row's tokens; GPU-only offloading chose them too
-    assert "agreement" not in first and second["agreement"] == 1.0
-    assert second["iterations"] == first["iterations"] and second["output"] == first["output"]
+    # each row ran free and was compared with the resident tokens: the resident row is them
+    assert first["agreement"]["tokens_equal"] == 1.0 and first["agreement"]["max_logit_diff"] == 0
+    assert set(second["agreement"]) == {"tokens_equal", "first_divergence", "max_logit_diff",
+                                        "runs"}  # fmt: skip
+    assert second["decisions"]["costs"]["source"] == "profile cpu-ci" and first["decisions"] is None
+    assert "= resident" in result.output and "prompt CPU" in result.output
 
 
 def test_rows_done_stay_in_the_report_when_a_later_one_fails(tiny_dir, tmp_path, monkeypatch):

@@ -73,9 +73,46 @@ def test_observers_see_every_iteration(rt):
 def test_commit_threshold_and_at_least_one():
     masked = torch.tensor([True, True, False, True])
     conf = torch.tensor([0.2, 0.97, 0.99, 0.96])
-    assert _commit(conf, masked, 0.95).tolist() == [False, True, False, True]
+    cfg = DecodeConfig(block_length=4, threshold=0.95)
+    assert _commit(conf, masked, cfg, 0).tolist() == [False, True, False, True]
     low = torch.tensor([0.2, 0.3, 0.99, 0.1])
-    assert _commit(low, masked, 0.95).tolist() == [False, True, False, False]
+    assert _commit(low, masked, cfg, 0).tolist() == [False, True, False, False]
+
+
+def test_commit_strict_threshold_as_llada2_generate():
+    masked = torch.tensor([True, True, True, False])
+    conf = torch.tensor([0.95, 0.96, 0.5, 1.0])
+    at_or_above = DecodeConfig(block_length=4, threshold=0.95)
+    strict = DecodeConfig(block_length=4, threshold=0.95, strict_threshold=True)
+    assert _commit(conf, masked, at_or_above, 0).tolist() == [True, True, False, False]
+    assert _commit(conf, masked, strict, 0).tolist() == [False, True, False, False]
+
+
+def test_steps_schedule_as_llada2_generate():
+    # block_length 32 in 5 steps: 7, 7, 6, 6, 6 (the remainder in the first iterations)
+    cfg = DecodeConfig(block_length=32, steps=5)
+    assert [cfg.at_least(i) for i in range(5)] == [7, 7, 6, 6, 6]
+    assert [DecodeConfig().at_least(i) for i in range(3)] == [1, 1, 1]
+    with pytest.raises(ValueError, match="steps"):
+        DecodeConfig(block_length=8, steps=9)
+    masked = torch.tensor([True, True, True, False, True])
+    conf = torch.tensor([0.1, 0.5, 0.3, 1.0, 0.2])
+    three = DecodeConfig(block_length=5, steps=2, threshold=0.95)  # 3 then 2
+    assert _commit(conf, masked, three, 0).tolist() == [False, True, True, False, True]
+    # at least 3, but only 2 are masked: both, never a fixed position
+    two_left = torch.tensor([False, True, False, False, True])
+    assert _commit(conf, two_left, three, 0).tolist() == [False, True, False, False, True]
+
+
+def test_steps_end_every_block_within_steps(rt):
+    g = rt.generate("Hi", max_new_tokens=64, threshold=1.0, steps=4)
+    assert g.stats.iterations <= g.stats.blocks * 4  # 8 a forward: 4 forwards a block at most
+    one_each = rt.generate("Hi", max_new_tokens=64, threshold=1.0)
+    assert one_each.stats.iterations > 2 * g.stats.iterations
+    # steps = block_length commits at least one a forward: the default's tokens
+    assert rt.generate("Hi", max_new_tokens=64, steps=32).token_ids == (
+        rt.generate("Hi", max_new_tokens=64).token_ids
+    )
 
 
 def test_threshold_one_commits_one_token_per_iteration(rt):
@@ -163,3 +200,37 @@ def test_follow_rejects_another_generation(rt):
         _generate(rt, prompt, DecodeConfig(max_new_tokens=64, threshold=1.0), follow=trajectory)
     with pytest.raises(ValueError, match="blocks of 32 tokens, not 16"):
         _generate(rt, prompt, DecodeConfig(block_length=16, threshold=1.0), follow=trajectory)
+
+
+def test_agreement_with_the_resident_model(rt):
+    """Free running against the reference: equal on the same path (a zero logit difference);
+    a small change of the logits shows as the size of the change, and one large enough to flip
+    a choice as the first answer position and forward that differ."""
+    from oled.decoding.follow import Agreement
+
+    cfg = DecodeConfig(max_new_tokens=40, threshold=0.9)
+    prompt = rt.prompt_ids("Who wrote Hamlet?", chat=True)
+    reference = rt.reference_ids(prompt, cfg)
+    assert reference.tokens and len(reference.logits) == len(reference.steps)
+    same = Agreement(reference)
+    assert _generate(rt, prompt, cfg, observers=[same]) == reference.tokens
+    assert same.result() == {"tokens_equal": True, "first_divergence": None,
+                             "diverged_step": None, "max_logit_diff": 0.0}  # fmt: skip
+
+    def shifted(token: int, by: float) -> dict:
+        """Agreement of a generation whose logits of `token` are raised by `by`."""
+        bias = torch.zeros(rt.config.vocab_size)
+        bias[token] = by
+        handle = rt.model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+        try:
+            agree = Agreement(reference)
+            _generate(rt, prompt, cfg, observers=[agree])
+        finally:
+            handle.remove()
+        return agree.result()
+
+    small = shifted(reference.tokens[0], 1e-3)  # too small to change a choice, but measured
+    assert small["tokens_equal"] and small["max_logit_diff"] == pytest.approx(1e-3, rel=1e-2)
+    result = shifted((reference.tokens[0] + 1) % rt.config.vocab_size, 1e4)  # wins everywhere
+    assert not result["tokens_equal"] and result["first_divergence"] is not None
+    assert result["diverged_step"] == 0 and result["max_logit_diff"] >= 1e4 * 0.99

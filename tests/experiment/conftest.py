@@ -49,7 +49,7 @@ class SyntheticRuntime:
         if len(cache) > self.slots:
             cache.popitem(last=False)
 
-    def generate(self, prompt, *, chat: bool, follow=None) -> Generation:
+    def generate(self, prompt, *, chat: bool, follow=None, observers=()) -> Generation:
         iterations = 8
         stats = {"per_layer": [{"hits": 0, "misses": 0} for _ in range(self.layers)]}
         for _ in range(iterations):
@@ -92,3 +92,46 @@ def tracked_recipe_text(base: str, uri: str, report_dir: Path, experiment: str) 
         f'\n[tracking]\nmlflow = true\ntracking_uri = "{uri}"\n'
         f'experiment = "{experiment}"\nreport_dir = "{report_dir}"\n'
     )
+
+
+def mlflow_runs(uri: str, experiment: str) -> list:
+    """The runs of `experiment` in the store at `uri` (none if it does not exist)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    return [] if exp is None else client.search_runs([exp.experiment_id])
+
+
+TUNE = """
+[tune]
+trials = {trials}
+objective = "{objective}"
+metric = "loss"
+storage = "{storage}"
+study_name = "bowl"
+seed = 0
+
+[tune.params]
+"policy.retention.threshold" = {{ low = 0.0, high = 1.0 }}
+"policy.retention.window" = {{ low = 1, high = 8, int = true }}
+"""
+
+
+def tune_tracking(tmp_path: Path, uri: str | None, experiment: str = "tune") -> str:
+    """A [tracking] section: MLflow at `uri` (None: off), reports under `tmp_path`."""
+    mlflow = f'tracking_uri = "{uri}"\nexperiment = "{experiment}"' if uri else "mlflow = false"
+    return f'\n[tracking]\n{mlflow}\nreport_dir = "{tmp_path / "reports"}"\n'
+
+
+def tune_recipe_file(
+    tmp_path: Path, storage: str, trials: int, tracking: str, objective: str = "bowl"
+) -> Path:
+    """`tune.toml` in `tmp_path`: the test recipe, `tracking` and a study of `objective` (the
+    bowl's loss) over two retention parameters."""
+    from tests.conftest import RECIPE
+
+    path = tmp_path / "tune.toml"
+    tune = TUNE.format(trials=trials, storage=storage, objective=objective)
+    path.write_text(RECIPE + tracking + tune)
+    return path

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
 
+from oled.cli import app
 from oled.experiment.report import median_and_p90, per_layer, summarize
 from oled.experiment.run import run_experiment
 from oled.recipe import load_recipe
 from tests.conftest import RECIPE
-from tests.experiment.conftest import SyntheticRuntime, tracked_recipe_text
+from tests.experiment.conftest import SyntheticRuntime, mlflow_runs, tracked_recipe_text
 
 
 def _recipe(tmp_path: Path, uri: str, experiment: str, mlflow: bool = True):
@@ -22,12 +25,6 @@ def _recipe(tmp_path: Path, uri: str, experiment: str, mlflow: bool = True):
     path = tmp_path / "run.toml"
     path.write_text(text)
     return load_recipe(path)
-
-
-def _runs(uri: str, experiment: str) -> list:
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(experiment)
-    return client.search_runs([exp.experiment_id])
 
 
 def test_summarize() -> None:
@@ -53,7 +50,7 @@ def test_summarize() -> None:
 def test_run_is_logged_to_mlflow(tmp_path: Path, components, mlflow_uri: str) -> None:
     recipe = _recipe(tmp_path, mlflow_uri, "run-ok")
     result = run_experiment(recipe, factory=SyntheticRuntime.from_recipe)
-    (run,) = _runs(mlflow_uri, "run-ok")
+    (run,) = mlflow_runs(mlflow_uri, "run-ok")
     assert run.info.run_id == result.run_id and run.info.status == "FINISHED"
     assert run.data.params["model.path"] == "builtin:tiny"
     assert run.data.params["policy.retention.threshold"] == "0.7"
@@ -62,10 +59,27 @@ def test_run_is_logged_to_mlflow(tmp_path: Path, components, mlflow_uri: str) ->
     summary = result.report["summary"]
     assert run.data.metrics["ms_per_iteration"] == summary["ms_per_iteration"]
     assert 0 < summary["hit_rate"] < 1
-    history = MlflowClient(mlflow_uri).get_metric_history(run.info.run_id, "iteration_ms")
-    assert sorted(m.step for m in history) == list(range(4 * 8))  # 4 prompts x 8 iterations
-    names = {a.path for a in MlflowClient(mlflow_uri).list_artifacts(run.info.run_id)}
-    assert {"report.json", "hit_rate_per_layer.png", "latency.png", "recipe"} <= names
+    # one named metric per layer, each a single value (the runs table's and compare view's)
+    layers = {k: v for k, v in run.data.metrics.items() if k.startswith("hit_rate.layer_")}
+    rates = [layer["hit_rate"] for layer in result.report["per_layer"]]
+    assert layers == {"hit_rate.layer_00": rates[0], "hit_rate.layer_01": rates[1],
+                      "hit_rate.layer_02": rates[2]}  # fmt: skip
+    client = MlflowClient(mlflow_uri)
+    for key in [*layers, "ms_per_iteration"]:
+        assert len(client.get_metric_history(run.info.run_id, key)) == 1
+    assert not {"iteration_ms", "layer_hit_rate"} & set(run.data.metrics)  # no stepped series
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"report.json", "iteration_ms.csv", "hit_rate_per_layer.png", "latency.png"} <= names
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "recipe")] == ["recipe/run.toml"]
+    # the per-iteration series is an artifact: every forward of every timed generation
+    table = client.download_artifacts(run.info.run_id, "iteration_ms.csv", str(tmp_path))
+    rows = list(csv.reader(Path(table).read_text().splitlines()))
+    gens = result.report["generations"]
+    assert rows[0] == ["generation", "iteration", "ms"] and len(rows) == 1 + 4 * 8
+    assert [float(r[2]) for r in rows[1:]] == [ms for g in gens for ms in g["iteration_ms"]]
+    assert rows[9][:2] == ["1", "0"]  # the second generation's prompt forward
+    png = client.download_artifacts(run.info.run_id, "latency.png", str(tmp_path))
+    assert Path(png).read_bytes()[:4] == b"\x89PNG"
     report = json.loads((result.report_dir / "report.json").read_text())
     assert report["recipe_hash"] == recipe.hash() and len(report["per_layer"]) == 3
 
@@ -73,7 +87,7 @@ def test_run_is_logged_to_mlflow(tmp_path: Path, components, mlflow_uri: str) ->
 class BrokenRuntime(SyntheticRuntime):
     """Fails in the middle of the workload."""
 
-    def generate(self, prompt, *, chat: bool, follow=None):
+    def generate(self, prompt, **options):
         raise RuntimeError("expert copy failed")
 
 
@@ -81,8 +95,30 @@ def test_failed_run_ends_failed(tmp_path: Path, components, mlflow_uri: str) -> 
     recipe = _recipe(tmp_path, mlflow_uri, "run-fail")
     with pytest.raises(RuntimeError, match="expert copy failed"):
         run_experiment(recipe, factory=lambda r: BrokenRuntime())
-    (run,) = _runs(mlflow_uri, "run-fail")
+    (run,) = mlflow_runs(mlflow_uri, "run-fail")
     assert run.info.status == "FAILED"
+
+
+@pytest.mark.parametrize(
+    ("model", "budget", "message"),
+    [
+        ("{tmp}/no-model", "expert_fraction = 0.5", "no config.json here"),
+        ("builtin:tiny", "expert_budget = 1", "budget too small"),
+    ],
+)
+def test_setup_error_leaves_no_run(
+    tmp_path: Path, components, mlflow_uri: str, model: str, budget: str, message: str
+) -> None:
+    """A missing model or a budget too small fails in one line, exit 2, with no MLflow run."""
+    experiment = f"setup-{budget.split()[0]}"
+    text = tracked_recipe_text(RECIPE, mlflow_uri, tmp_path / "reports", experiment)
+    text = text.replace('"builtin:tiny"', f'"{model.format(tmp=tmp_path)}"')
+    path = tmp_path / "setup.toml"
+    path.write_text(text.replace("expert_fraction = 0.5", budget))
+    result = CliRunner().invoke(app, ["run", str(path)])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert result.output.startswith("error: ") and result.output.count("\n") == 1
+    assert mlflow_runs(mlflow_uri, experiment) == [] and not (tmp_path / "reports").exists()
 
 
 def test_run_without_mlflow(tmp_path: Path, components) -> None:

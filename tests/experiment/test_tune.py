@@ -1,7 +1,11 @@
-"""`oled tune`: a study over [tune.params] with nested MLflow runs, journal-file workers."""
+"""`oled tune`: a study over [tune.params] with nested MLflow runs and artifacts, errors found
+before any trial, results kept when `--out` fails, journal-file workers."""
 
 from __future__ import annotations
 
+import io
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,34 +13,22 @@ from pathlib import Path
 import optuna
 import pytest
 from mlflow.tracking import MlflowClient
+from rich.console import Console
+from typer.testing import CliRunner
 
 from oled import registry as reg
+from oled.cli import app
 from oled.experiment.tune import tune_recipe
-from oled.recipe import load_recipe
-from tests.conftest import RECIPE
+from oled.recipe import Recipe, load_recipe
+from tests.experiment.conftest import mlflow_runs, tune_recipe_file, tune_tracking
 from tests.experiment.tune_objective import bowl
+
+runner = CliRunner()
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TUNE = """
-[tune]
-trials = {trials}
-objective = "bowl"
-metric = "loss"
-storage = "{storage}"
-study_name = "bowl"
-seed = 0
-
-[tune.params]
-"policy.retention.threshold" = {{ low = 0.0, high = 1.0 }}
-"policy.retention.window" = {{ low = 1, high = 8, int = true }}
-"""
-
-
-def _recipe_file(tmp_path: Path, storage: str, trials: int, tracking: str) -> Path:
-    path = tmp_path / "tune.toml"
-    path.write_text(RECIPE + tracking + TUNE.format(trials=trials, storage=storage))
-    return path
+PNG = b"\x89PNG"
+COMPLETE = optuna.trial.TrialState.COMPLETE
 
 
 @pytest.fixture
@@ -47,9 +39,10 @@ def bowl_objective(components):
 
 
 def test_tune_writes_best_recipe(tmp_path: Path, bowl_objective, mlflow_uri: str) -> None:
-    tracking = f'\n[tracking]\ntracking_uri = "{mlflow_uri}"\nexperiment = "tune"\n'
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
-    recipe = load_recipe(_recipe_file(tmp_path, storage, 20, tracking))
+    recipe = load_recipe(
+        tune_recipe_file(tmp_path, storage, 20, tune_tracking(tmp_path, mlflow_uri))
+    )
     out = tmp_path / "best.toml"
     result = tune_recipe(recipe, out=out)
     best = load_recipe(out)
@@ -61,12 +54,106 @@ def test_tune_writes_best_recipe(tmp_path: Path, bowl_objective, mlflow_uri: str
     # resuming a finished study runs nothing more
     assert tune_recipe(recipe).value == result.value and len(study.trials) == 20
     client = MlflowClient(mlflow_uri)
-    runs = client.search_runs([client.get_experiment_by_name("tune").experiment_id])
+    runs = mlflow_runs(mlflow_uri, "tune")
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(parents) == 2 and len(children) == 20
-    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[-1].info.run_id}
+    first = parents[-1]  # newest first
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {first.info.run_id}
     assert all(r.info.status == "FINISHED" and "loss" in r.data.metrics for r in children)
+    # which worker ran each trial, where the study lives
+    worker = first.data.tags["oled.worker"]
+    assert worker.endswith(f":{os.getpid()}") and first.data.tags["oled.storage"] == storage
+    assert {r.data.tags["oled.worker"] for r in children} == {worker}
+    # the study run's artifacts: the best recipe, the study's plots, the recipe tuned
+    names = {a.path for a in client.list_artifacts(first.info.run_id)}
+    assert {"best.toml", "optimization_history.png", "param_importances.png", "recipe"} <= names
+    logged = client.download_artifacts(first.info.run_id, "best.toml", str(tmp_path))
+    assert Path(logged).read_text() == out.read_text()
+    plot = client.download_artifacts(first.info.run_id, "param_importances.png", str(tmp_path))
+    assert Path(plot).read_bytes()[:4] == PNG
+    assert result.report_dir is not None and result.report_dir.parent == tmp_path / "reports"
+    assert (result.report_dir / "best.toml").read_text() == out.read_text()
+
+
+def test_one_trial_study_plots_its_history(tmp_path: Path, bowl_objective) -> None:
+    """Too few trials for parameter importances: the study ends well and says so."""
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    recipe = load_recipe(tune_recipe_file(tmp_path, storage, 1, tune_tracking(tmp_path, None)))
+    console = Console(file=io.StringIO(), width=200)
+    result = tune_recipe(recipe, console=console)
+    assert result.report_dir is not None
+    files = sorted(p.name for p in result.report_dir.iterdir())
+    assert files == ["best.toml", "optimization_history.png"]
+    assert (result.report_dir / "optimization_history.png").read_bytes()[:4] == PNG
+    text = console.file.getvalue()
+    assert "no param_importances plot: it needs tuned parameters and two complete trials" in text
+
+
+@pytest.mark.parametrize("scheme", ["sqlite:///", "journal:"])
+@pytest.mark.parametrize("folder", ["missing", "a-file"])
+def test_unusable_storage_fails_in_one_line(
+    tmp_path: Path, bowl_objective, mlflow_uri: str, scheme: str, folder: str
+) -> None:
+    """A storage in a missing folder or below a file: one line naming it, exit 2, no run."""
+    (tmp_path / "a-file").write_text("")
+    storage = f"{scheme}{tmp_path / folder / 'study.db'}"
+    experiment = f"storage-{scheme[:6]}-{folder}"
+    path = tune_recipe_file(tmp_path, storage, 4, tune_tracking(tmp_path, mlflow_uri, experiment))
+    result = runner.invoke(app, ["tune", str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: cannot open the study storage {storage}: ")
+    assert result.output.count("\n") == 1
+    assert mlflow_runs(mlflow_uri, experiment) == [] and not (tmp_path / "reports").exists()
+
+
+@pytest.mark.parametrize("where", ["missing/best.toml", "a-file/best.toml", "folder"])
+def test_unwritable_out_fails_before_any_trial(
+    tmp_path: Path, bowl_objective, mlflow_uri: str, where: str
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "folder").mkdir()
+    experiment = f"out-{where.split('/')[0]}"
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    path = tune_recipe_file(tmp_path, storage, 4, tune_tracking(tmp_path, mlflow_uri, experiment))
+    out = tmp_path / where
+    result = runner.invoke(app, ["tune", str(path), "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: --out {out}: ")
+    assert result.output.count("\n") == 1
+    assert not (tmp_path / "optuna.db").exists() and mlflow_runs(mlflow_uri, experiment) == []
+
+
+def test_out_unwritable_at_the_end_keeps_the_results(tmp_path: Path, bowl_objective) -> None:
+    """`--out` checked at the start but unwritable at the end (here it became a folder while
+    the study ran): the error names the storage and the best recipe's copy, which loads."""
+    out = tmp_path / "best.toml"
+
+    def bowl_taking_out(recipe: Recipe) -> dict[str, float]:
+        out.mkdir(exist_ok=True)
+        return bowl(recipe)
+
+    reg.register("objective", "bowl_taking_out", bowl_taking_out)
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    tracking = tune_tracking(tmp_path, None)
+    path = tune_recipe_file(tmp_path, storage, 6, tracking, objective="bowl_taking_out")
+    try:
+        result = runner.invoke(app, ["tune", str(path), "--out", str(out)])
+    finally:
+        reg.registry("objective").unregister("bowl_taking_out")
+    assert result.exit_code == 2, result.output
+    error = result.output.strip().splitlines()[-1]
+    found = re.fullmatch(
+        rf"error: cannot write {out}: Is a directory; the best recipe is in (\S+) instead, "
+        rf"and the study 'bowl' stays in {re.escape(storage)}",
+        error,
+    )
+    assert found, error
+    study = optuna.load_study(study_name="bowl", storage=storage)
+    assert len(study.get_trials(states=(COMPLETE,))) == 6
+    copy = load_recipe(Path(found[1]))
+    assert copy.policy.retention is not None
+    assert copy.policy.retention.params["window"] == study.best_params["policy.retention.window"]
 
 
 WORKER = """
@@ -82,8 +169,7 @@ tune_recipe(load_recipe(sys.argv[1]))
 
 def test_two_workers_share_a_journal_study(tmp_path: Path) -> None:
     journal = tmp_path / "study.journal"
-    tracking = "\n[tracking]\nmlflow = false\n"
-    path = _recipe_file(tmp_path, f"journal:{journal}", 16, tracking)
+    path = tune_recipe_file(tmp_path, f"journal:{journal}", 16, tune_tracking(tmp_path, None))
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(root=str(ROOT)))
     workers = [

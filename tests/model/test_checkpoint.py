@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from oled.model.checkpoint import CheckpointError, load_checkpoint
-from oled.model.config import ConfigError
+from oled.model.checkpoint import CheckpointError, check_shards, load_checkpoint
+from oled.model.config import ConfigError, ModelConfig
 from oled.model.experts import ExpertStore, ResidentExperts
 from oled.model.model import LLaDA2Model
 from oled.model.presets import random_tensors, tiny_config
@@ -122,3 +122,69 @@ def test_missing_shard(tiny_dir, tmp_path):
     (path / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors: shard named"):
         load_checkpoint(path)
+
+
+def _truncate(file, size: int) -> None:
+    with file.open("r+b") as f:
+        f.truncate(size)
+
+
+def _garble_header(file) -> None:
+    data = bytearray(file.read_bytes())
+    data[8:16] = b"{garbage"
+    file.write_bytes(bytes(data))
+
+
+DAMAGE = {  # what is done to a shard, and what the error then says of it
+    "cut in its data": (lambda f: _truncate(f, f.stat().st_size // 2), "truncated: "),
+    "cut in its header": (lambda f: _truncate(f, 100), "truncated: 100 bytes"),
+    "cut to 4 bytes": (lambda f: _truncate(f, 4), "not a safetensors file"),
+    "garbled header": (_garble_header, "not a safetensors file (malformed header)"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+@pytest.mark.parametrize("fixture", ["tiny_dir", "tiny_single_dir"])
+def test_a_damaged_shard_is_named_by_loading_and_by_the_check(fixture, damage, request, tmp_path):
+    path = copy_of(request.getfixturevalue(fixture), tmp_path)
+    shard = sorted(path.glob("*.safetensors"))[-1]
+    harm, problem = DAMAGE[damage]
+    harm(shard)
+    for attempt in (lambda: load_checkpoint(path), lambda: check_shards(path, _config(path))):
+        with pytest.raises(CheckpointError) as info:
+            attempt()
+        message = str(info.value)
+        assert message.startswith(f"{shard}: ") and problem in message, message
+        assert "\n" not in message
+
+
+def _config(path) -> ModelConfig:
+    return ModelConfig.from_json(path)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "tiny_single_dir"])
+def test_the_check_of_an_intact_checkpoint_counts_its_shards(fixture, request):
+    path = request.getfixturevalue(fixture)
+    files = sorted(path.glob("*.safetensors"))
+    assert check_shards(path, _config(path)) == (len(files), sum(f.stat().st_size for f in files))
+
+
+def test_the_check_finds_a_missing_or_misshaped_tensor_as_loading_does(tiny_dir, tmp_path):
+    path = copy_of(tiny_dir, tmp_path / "misshaped")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 32
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"has shape \[.*\], expected \[.*\]"):
+        check_shards(path, _config(path))
+    path = copy_of(tiny_dir, tmp_path / "misplaced")  # the index names the wrong shard
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    name = "model.norm.weight"
+    wrong = next(
+        f.name for f in sorted(path.glob("*.safetensors")) if f.name != index["weight_map"][name]
+    )
+    index["weight_map"][name] = wrong
+    index_file.write_text(json.dumps(index))
+    for attempt in (lambda: load_checkpoint(path), lambda: check_shards(path, _config(path))):
+        with pytest.raises(CheckpointError, match=f"{wrong}: tensor '{name}' is missing"):
+            attempt()

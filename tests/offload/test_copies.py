@@ -24,16 +24,25 @@ def test_rows_need_contiguous_tables():
 
 def test_calibration_measures_the_engine_paths_and_caches(tmp_path):
     from oled.model.experts import ExpertStore
-    from oled.offload.calibrate import calibrated_cost
+    from oled.offload.calibrate import calibrated_cost, stored_calibrations
 
     store = ExpertStore.empty(layers=1, experts=8, hidden=64, inter=32, dtype=torch.float32,
                               pin=False)  # fmt: skip
     for w in (*store.w13, *store.w2):
         w.normal_()
-    cost = calibrated_cost(store, torch.device("cpu"), tmp_path)
+    first = calibrated_cost(store, torch.device("cpu"), tmp_path)
+    cost = first.cost
     assert cost.copy_ms_per_expert > 0 and cost.cpu_fixed_ms > 0 and cost.gpu_fixed_ms >= 0
-    assert len(list(tmp_path.glob("cost-*.json"))) == 1
-    assert calibrated_cost(store, torch.device("cpu"), tmp_path) == cost  # from the cache
+    assert list(tmp_path.glob("cost-*")) == [first.file]  # one file, no temporary left
+    again = calibrated_cost(store, torch.device("cpu"), tmp_path)
+    assert again == first  # read back: the same costs, key and time, so the same decisions
+    described = first.describe()
+    assert described["source"] == "calibrated" and described["dtype"] == "float32"
+    assert described["expert shape"] == "(64, 64)" and described["measured"] == first.measured
+    stored = stored_calibrations(tmp_path)
+    assert stored == [first]
+    first.file.write_text("{not json")  # a damaged file is measured again, not an error
+    assert calibrated_cost(store, torch.device("cpu"), tmp_path).cost.copy_ms_per_expert > 0
 
 
 def test_transfer_without_a_stream_copies_at_once():

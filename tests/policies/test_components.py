@@ -174,11 +174,13 @@ def test_cooperative_copies_high_reuse_misses() -> None:
 
 
 def test_cooperative_learns_measured_cpu_cost() -> None:
-    """CPU experts measured 10x slower than modelled: fewer misses go to the CPU after, and
-    reset forgets it; learn_rate 0 keeps the prior."""
+    """Live adaptation (opt-in): CPU experts measured 10x slower than modelled send fewer
+    misses to the CPU after, and reset forgets it; the default, learn_rate 0, keeps the prior
+    (the decisions follow the cost model only)."""
     kw = dict(layer=0, experts=np.arange(8), tokens=np.full(8, 2), reuse=np.zeros(8), cost=COST)
     load = Load(copy_queue_ms=4.0)
-    comp = CooperativeCompensation()
+    comp = CooperativeCompensation(learn_rate=0.2)
+    assert comp.adaptive and not CooperativeCompensation().adaptive
     before = int((~comp.decide(**kw, load=load)).sum())
     for _ in range(30):
         comp.observe_cpu(layer=0, modeled_ms=1.0, measured_ms=10.0)
@@ -187,7 +189,7 @@ def test_cooperative_learns_measured_cpu_cost() -> None:
     assert before > after
     comp.reset(num_layers=1, num_experts=8)
     assert comp.slowdown == comp.cpu_slowdown
-    fixed = CooperativeCompensation(learn_rate=0.0)
+    fixed = CooperativeCompensation()
     fixed.observe_cpu(layer=0, modeled_ms=1.0, measured_ms=10.0)
     assert fixed.slowdown == fixed.cpu_slowdown
     with pytest.raises(ValueError, match="learn_rate"):

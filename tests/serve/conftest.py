@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +19,7 @@ import uvicorn
 from oled.decoding import DecodeConfig
 from oled.runtime import load_runtime
 from oled.serve.app import create_app
+from oled.serve.command import DrainingServer
 from oled.serve.engine import Engine
 
 API_KEY = "sk-test-key"
@@ -30,7 +34,7 @@ def running_server(app, *, wait_healthy: bool = True) -> Iterator[str]:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.server.engine)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -43,6 +47,32 @@ def running_server(app, *, wait_healthy: bool = True) -> Iterator[str]:
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+@contextlib.contextmanager
+def cli_server(log_path: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`oled serve ARGS --port FREE` in a child process, logging to `log_path`; yields (URL,
+    process) once /health is 200; always ends the process."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    cmd = [sys.executable, "-m", "oled.cli", "serve", *args, "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: proc.poll() is not None or httpx.get(f"{url}/health").is_success,
+                     60, "the server did not become healthy")  # fmt: skip
+            assert proc.poll() is None, log_path.read_text()
+            yield url, proc
+        finally:
+            proc.terminate()
+            proc.wait(15)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_for(condition, timeout: float, message: str) -> None:
@@ -109,6 +139,18 @@ def start_server():
 def loader():
     """`tiny_loader(path, gate)` for tests that build their own engine."""
     return tiny_loader
+
+
+@pytest.fixture()
+def start_cli():
+    """`cli_server(log_path, *args)` for tests of the `oled serve` command."""
+    return cli_server
+
+
+@pytest.fixture()
+def unused_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on."""
+    return free_port()
 
 
 @pytest.fixture()

@@ -12,6 +12,22 @@ MODEL = "tiny-test"
 
 def test_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "oled-moe")
+    assert card.created == client.models.list().data[0].created
+
+
+def test_retrieving_an_unknown_model_is_a_404(client, server_url):
+    for name in ("gpt-4", "org/tiny-test"):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.models.retrieve(name)
+        assert err.value.body == {
+            "message": f"the model {name!r} does not exist; this server has {MODEL!r}",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found",
+        }  # fmt: skip
+    anonymous = openai.OpenAI(base_url=f"{server_url}/v1", api_key="-", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.models.retrieve(MODEL)
 
 
 def test_chat_completion(client):

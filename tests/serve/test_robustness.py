@@ -4,15 +4,10 @@ OpenAI's error shape."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -111,6 +106,46 @@ def test_errors_have_the_openai_shape(http):
     assert http.get("/health").status_code == 200
 
 
+def local_port(resp: httpx.Response) -> int:
+    """The client's port of the connection that carried `resp`."""
+    return resp.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def answered_on_the_same_connection(http: httpx.Client, port: int) -> bool:
+    after = http.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "ab"}],
+                                  "max_tokens": 2})  # fmt: skip
+    return after.status_code == 200 and local_port(after) == port
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    (CHAT, '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
+    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages.0.content.0.text"),
+    ("/v1/completions", '{"prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", '{"prompt": "ab", "stop": ["x", "\\udc80"]}', "stop.1"),
+])  # fmt: skip
+def test_a_lone_surrogate_is_a_400_naming_the_field(http, route, body, param):
+    raw = body.replace("{", '{"model": "tiny-test", ', 1).encode()
+    resp = http.post(route, content=raw, headers={"Content-Type": "application/json"})
+    error = assert_error(resp, 400)
+    assert error["param"] == param and error["message"].startswith(f"{param} is not valid UTF-8")
+    assert answered_on_the_same_connection(http, local_port(resp))
+
+
+def test_an_unexpected_error_is_a_500_and_the_connection_stays(engine, http, monkeypatch):
+    def broken(*_args):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(engine.runtime.tokenizer, "render_chat", broken)
+    resp = http.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 500 and resp.json()["error"] == {
+        "message": "internal error: TypeError", "type": "server_error", "param": None, "code": None,
+    }  # fmt: skip
+    port = local_port(resp)
+    monkeypatch.undo()
+    assert answered_on_the_same_connection(http, port)
+
+
 def malformed_bodies(n: int, seed: int = 0) -> list[tuple[bytes, str]]:
     """Seeded bad requests: wrong types, missing fields, huge numbers, non-JSON, wrong types."""
     rng = random.Random(seed)
@@ -168,36 +203,13 @@ def test_fuzz_malformed_bodies(http):
     assert http.get("/health").status_code == 200
 
 
-def test_cli_serve_streams_to_the_openai_client(tiny_dir, tmp_path):
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    cmd = [sys.executable, "-m", "oled.cli", "serve", "--model", str(tiny_dir), "--port",
-           str(port), "--device", "cpu", "--served-model-name", "tiny", "--block-length", "8"]  # fmt: skip
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", timeout=60)
+def test_cli_serve_streams_to_the_openai_client(tiny_dir, tmp_path, start_cli):
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny",
+            "--block-length", "8"]  # fmt: skip
+    with start_cli(tmp_path / "serve.log", *args) as (url, _proc):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", timeout=60)
         stream = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, stream=True
         )
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        log.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

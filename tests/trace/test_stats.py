@@ -197,3 +197,17 @@ def test_cli_not_a_trace(tmp_path) -> None:
     assert len(res.output.strip().splitlines()) == 1
     res = CliRunner().invoke(app, ["trace", "stats", str(tmp_path / "missing.oledtrace")])
     assert res.exit_code == 2 and "error" in res.output
+
+
+def test_cli_json_to_a_folder_that_is_not_there(tmp_path, monkeypatch) -> None:
+    a = tmp_path / "a.oledtrace"
+    synthetic_trace(num_layers=3, num_experts=32, top_k=4, blocks=2, seed=1).save(a)
+
+    def computed(*_, **__):
+        raise AssertionError("statistics computed before checking --json")
+
+    monkeypatch.setattr("oled.trace.stats.trace_stats", computed)
+    out = tmp_path / "nowhere" / "stats.json"
+    res = CliRunner().invoke(app, ["trace", "stats", str(a), "--json", str(out)])
+    assert res.exit_code == 2
+    assert res.output == f"error: --json {out}: no such directory {out.parent}\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from typer.testing import CliRunner
 
 from oled.cli import app
@@ -27,16 +29,113 @@ def test_record_then_simulate_every_baseline(tmp_path, tiny_dir):
         assert name in res.output
 
 
-def test_simulate_needs_a_slot_budget(tmp_path, tiny_dir):
+def _simulate(tmp_path, tiny_dir, runtime: str, **geometry):
+    """`oled simulate` of a synthetic trace of `geometry` with a recipe of the tiny model and
+    the `[runtime]` lines given."""
     from oled.trace.synthetic import synthetic_trace
 
     trace_file = tmp_path / "s.oledtrace"
-    synthetic_trace(num_layers=3, num_experts=32, top_k=4, blocks=1).save(trace_file)
+    synthetic_trace(**geometry, blocks=1).save(trace_file)
     recipe = tmp_path / "r.toml"
-    recipe.write_text(
-        f'[model]\npath = "{tiny_dir}"\n[runtime]\nbudget = {{ gpu_memory = "8GiB" }}\n'
-    )
-    res = CliRunner().invoke(app, ["simulate", str(trace_file), "--recipe", str(recipe)])
+    recipe.write_text(f'[model]\npath = "{tiny_dir}"\n[runtime]\n{runtime}\n')
+    return CliRunner().invoke(app, ["simulate", str(trace_file), "--recipe", str(recipe)])
+
+
+def test_simulate_needs_a_slot_budget(tmp_path, tiny_dir):
+    res = _simulate(tmp_path, tiny_dir, 'budget = { gpu_memory = "8GiB" }', num_layers=3,
+                    num_experts=32, top_k=4)  # fmt: skip
     assert res.exit_code == 2
     assert "gpu_memory budget needs a device to size: give expert_fraction, expert_budget or " \
         "slots_per_layer" in " ".join(res.output.split())  # fmt: skip
+
+
+def _recipe(tmp_path, model) -> Path:
+    """A resident CPU recipe that records two short prompts quickly."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Who wrote Hamlet?"}\n{"prompt": "Hi"}\n')
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        f'[model]\npath = "{model}"\n[runtime]\ndevice = "cpu"\ndtype = "float32"\n'
+        "[decoding]\nblock_length = 8\nmax_new_tokens = 4\n"
+        f'[workload]\nprompts = "{prompts}"\n'
+    )
+    return recipe
+
+
+def _one_error(res) -> str:
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.output
+    return lines[0]
+
+
+def test_record_checks_its_output_before_loading(tmp_path, tiny_dir, monkeypatch):
+    def build(*_, **__):
+        raise AssertionError("loaded before checking --out")
+
+    monkeypatch.setattr("oled.runtime.build", build)
+    recipe = _recipe(tmp_path, tiny_dir)
+    nowhere = tmp_path / "nowhere" / "t.oledtrace"
+    for out, problem in ((nowhere, f"no such directory {nowhere.parent}"),
+                         (tmp_path, "is a directory, not a file")):  # fmt: skip
+        res = CliRunner().invoke(app, ["trace", "record", str(recipe), "-o", str(out)])
+        assert _one_error(res) == f"error: --out {out}: {problem}"
+
+
+def test_record_keeps_the_trace_when_the_final_write_fails(tmp_path, tiny_dir, monkeypatch):
+    import shutil
+    import tempfile
+
+    from oled.trace import record as recording
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    real = recording.record
+
+    def record_then_lose_the_folder(*args, **kwargs):
+        trace = real(*args, **kwargs)
+        shutil.rmtree(folder)  # the output's folder goes away while recording
+        return trace
+
+    monkeypatch.setattr(recording, "record", record_then_lose_the_folder)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    out = folder / "t.oledtrace"
+    res = CliRunner().invoke(
+        app, ["trace", "record", str(_recipe(tmp_path, tiny_dir)), "-o", str(out)]
+    )
+    line = _one_error(res)
+    assert line.startswith(f"error: cannot write {out} (")
+    (kept,) = (tmp_path / "tmp").glob("t-*.oledtrace")
+    assert line.endswith(f"; the trace is kept at {kept} instead")
+    trace = Trace.load(kept)
+    assert trace.meta.prompt_count == 2 and trace.num_steps > 0
+
+
+def test_record_shows_progress_on_a_terminal_only(tmp_path, tiny_dir):
+    import os
+    import sys
+
+    import pexpect
+
+    recipe = _recipe(tmp_path, tiny_dir)
+    out = tmp_path / "t.oledtrace"
+    res = CliRunner().invoke(app, ["trace", "record", str(recipe), "-o", str(out)])
+    assert res.exit_code == 0 and "recording" not in res.output  # not a terminal: no bar
+    assert res.output.startswith(f"wrote {out}: ")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OLED_HOME": str(tmp_path), "TERM": "xterm"}
+    cmd = ["-m", "oled.cli", "trace", "record", str(recipe), "-o", str(out)]
+    child = pexpect.spawn(sys.executable, cmd, env=env, encoding="utf-8", timeout=120)
+    child.expect(r"recording.*\d/2")  # the bar, counting prompts
+    child.expect(f"wrote {out}")
+    child.expect(pexpect.EOF)
+
+
+def test_simulate_refuses_a_trace_of_another_routing(tmp_path, tiny_dir):
+    res = _simulate(tmp_path, tiny_dir, 'budget = { expert_fraction = 0.25 }\ncost = "cpu-ci"',
+                    num_layers=19, num_experts=256, top_k=8)  # fmt: skip
+    assert _one_error(res) == (
+        "error: simulation: the trace's routing geometry (19 MoE layers x 256 experts, top-8) "
+        "does not match the model's (3 MoE layers x 32 experts, top-4) "
+        f"(model.path {tiny_dir})"
+    )
