@@ -27,6 +27,7 @@ from oled.options import (
     StepsOpt,
     TemperatureOpt,
     ThresholdOpt,
+    at_least,
     command_spec,
     err_console,
     load,
@@ -121,6 +122,7 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
     from oled.serve.command import run_server, served_name
 
+    at_least(1, max_tokens=max_tokens)
     spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
                         graphs=graphs, kernels=kernels, block_length=block_length,
                         threshold=threshold, steps=steps, max_tokens=default_max_tokens,
@@ -248,7 +250,12 @@ def bench(
     with its recipe's decoding, generating --gen-length tokens."""
     from oled import bench as b
 
-    cfg = b.BenchConfig(gen_length=max_tokens or gen_length, prompt_length=prompt_length,
+    if max_tokens is not None:
+        gen_length = max_tokens
+        at_least(1, max_tokens=max_tokens)
+    at_least(1, gen_length=gen_length, prompt_length=prompt_length, runs=runs)
+    at_least(0, warmup_runs=warmup_runs)
+    cfg = b.BenchConfig(gen_length=gen_length, prompt_length=prompt_length,
                         warmup_runs=warmup_runs, runs=runs, seed=seed, profile=profile)  # fmt: skip
     flags = dict(device=device, dtype=dtype, cache_size=cache_size, graphs=graphs,
                  kernels=kernels, block_length=block_length, threshold=threshold, steps=steps)  # fmt: skip

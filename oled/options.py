@@ -165,6 +165,14 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
+def at_least(low: int, **flags: int) -> None:
+    """ValueError naming the first flag (`--gen-length` for gen_length) whose value is below
+    `low`, before any work."""
+    for name, value in flags.items():
+        if value < low:
+            raise ValueError(f"--{name.replace('_', '-')}: must be at least {low} (got {value})")
+
+
 def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """A warning as one yellow `warning:` line on stderr (warnings.showwarning's signature)."""
     err_console.print(f"[yellow]warning:[/yellow] {escape(str(message))}")

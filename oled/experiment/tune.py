@@ -345,8 +345,8 @@ def tune_recipe(
 ) -> TuneResult:
     """Run (or resume) the study; trials this process runs default to those still missing.
 
-    Before any trial: `out` must be writable and the storage must open (else OSError or
-    StorageError). After: the best recipe and the plots go to a study folder under
+    Before any trial: `out` must be writable, the storage must open, and for the `run`
+    objective the model and device must be there (else ValueError, OSError or StorageError). After: the best recipe and the plots go to a study folder under
     `tracking.report_dir` and to the MLflow study run, then the best recipe to `out`.
     `heartbeat_interval` (seconds; None: HEARTBEAT_INTERVAL, 0: none) and `grace_period`:
     see `storage_for`.
@@ -359,6 +359,10 @@ def tune_recipe(
     console = console or Console(stderr=True)
     if out is not None:
         check_writable(out, "--out")
+    if tune.objective == "run":  # real generations: a model or device missing here fails now
+        from oled.runtime import check
+
+        check(recipe)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     name = tune.study_name or recipe.name
     beat = HEARTBEAT_INTERVAL if heartbeat_interval is None else heartbeat_interval

@@ -219,15 +219,22 @@ class Server:
         return decode
 
     async def events(self, job: Job, request: Request) -> AsyncIterator[Event]:
-        """The job's events; cancels the generation when the client goes away."""
+        """The job's events; cancels the generation when the client goes away. One pending
+        read of the queue lives across the polls (asyncio.wait does not cancel it on a
+        timeout; before Python 3.12 wait_for could drop an event that came as it timed out)."""
+        pending: asyncio.Future | None = None
         try:
             while not job.finished:
-                try:
-                    yield await asyncio.wait_for(job.next_event(), POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
+                pending = pending or asyncio.ensure_future(job.next_event())
+                done, _ = await asyncio.wait({pending}, timeout=POLL_S)
+                if done:
+                    event, pending = pending.result(), None
+                    yield event
+                elif await request.is_disconnected():
+                    return
         finally:
+            if pending is not None:
+                pending.cancel()
             if not job.finished:
                 job.cancel.set()
                 self.engine.metrics.disconnects.inc()

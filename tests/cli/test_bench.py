@@ -297,3 +297,14 @@ def test_bench_refuses_a_trace_of_another_geometry_before_loading(tiny_dir, tmp_
         in " ".join(result.output.split())  # fmt: skip
     result = runner.invoke(app, ["bench", "--model", str(tiny_dir), "--prompts", "0"])
     assert result.exit_code == 2 and "--routing trace:PATH" in result.output
+
+
+def test_bad_counts_name_their_flag_before_anything_loads():
+    for args, line in (
+        (["bench", "--gen-length", "-1"], "error: --gen-length: must be at least 1 (got -1)"),
+        (["bench", "--max-tokens", "0"], "error: --max-tokens: must be at least 1 (got 0)"),
+        (["bench", "--warmup-runs", "-1"], "error: --warmup-runs: must be at least 0 (got -1)"),
+        (["serve", "--max-tokens", "-1"], "error: --max-tokens: must be at least 1 (got -1)"),
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and result.output.strip() == line, result.output

@@ -186,3 +186,18 @@ def test_two_workers_share_a_journal_study(tmp_path: Path) -> None:
     numbers = [t.number for t in trials]
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(set(numbers)) == len(numbers) and len(complete) >= 16
+
+
+def test_run_objective_without_its_model_fails_before_the_study(
+    tmp_path: Path, components, mlflow_uri: str
+) -> None:
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    tracking = tune_tracking(tmp_path, mlflow_uri, "run-missing")
+    path = tune_recipe_file(tmp_path, storage, 2, tracking, objective="run")
+    missing = tmp_path / "no-model"
+    path.write_text(path.read_text().replace('path = "builtin:tiny"', f'path = "{missing}"'))
+    result = runner.invoke(app, ["tune", str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and str(missing) in result.output
+    assert result.output.count("\n") == 1
+    assert not (tmp_path / "optuna.db").exists() and mlflow_runs(mlflow_uri, "run-missing") == []
