@@ -20,6 +20,7 @@ from oled.bench.runs import (
 from oled.decoding.decoder import median_p90
 from oled.decoding.follow import Agreement, agreement_summary
 from oled.offload.metrics import FIELDS, with_rates
+from oled.progress import track
 from oled.runtime import Runtime
 
 
@@ -29,10 +30,10 @@ def bench_replay(rt: Runtime, cfg: BenchConfig, label: str, work: TraceWorkload)
     the same schedule, so no trajectory is followed; the prompt and generation lengths, block
     length and threshold come from the trace."""
     n = len(work.prompts)
-    for i in range(cfg.warmup_runs):
+    for i in track(range(cfg.warmup_runs), f"warming up {label}"):
         run_replay(rt, work.trace, work.prompts[i % n])
     runs, offload, outputs, passes = [], [], [], []
-    for _ in range(cfg.runs):
+    for _ in track(range(cfg.runs), f"timing {label}"):
         for index in work.prompts:
             stats, off, tokens = run_replay(rt, work.trace, index)
             runs.append(stats)
@@ -64,10 +65,10 @@ def bench_runtime(
     prompt = random_prompt(rt, cfg.prompt_length, cfg.seed)
     reference = rt.reference_ids(prompt, decode)
     followed = reference if follow else None
-    for _ in range(cfg.warmup_runs):
+    for _ in track(range(cfg.warmup_runs), f"warming up {label}"):
         run_once(rt, prompt, decode, follow=followed)
     runs, offload, outputs, agreements = [], [], [], []
-    for _ in range(cfg.runs):
+    for _ in track(range(cfg.runs), f"timing {label}"):
         agree = [] if follow else [Agreement(reference)]
         stats, off, tokens = run_once(rt, prompt, decode, agree, followed)
         runs.append(stats)

@@ -308,3 +308,23 @@ def test_bad_counts_name_their_flag_before_anything_loads():
     ):
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and result.output.strip() == line, result.output
+
+
+def test_bench_shows_progress_on_a_terminal_only(tiny_dir, tmp_path):
+    import os
+    import sys
+    from pathlib import Path
+
+    import pexpect
+
+    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--gen-length", "8",
+            "--block-length", "8", "--prompt-length", "20", "--runs", "3"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0 and "timing" not in result.output  # no terminal, no bar
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OLED_HOME": str(tmp_path), "TERM": "xterm"}
+    child = pexpect.spawn(sys.executable, ["-m", "oled.cli", *args], env=env, encoding="utf-8",
+                          timeout=120)  # fmt: skip
+    child.expect(r"timing .*\d/3")  # the bar, counting the timed runs
+    child.expect("tokens/s")  # then the table
+    child.expect(pexpect.EOF)
