@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 from oled.decoding import DecodeConfig, GenerationStats
 from oled.decoding.decoder import median_p90
+from oled.model.tokenizer import check_text
 from oled.paths import cache_home
 from oled.runtime import Runtime, offload_stats
 
@@ -65,7 +66,10 @@ class ChatSession:
         except ValueError:
             raise ValueError(f"{key} takes a {SETTABLE[key].__name__}, not {value!r}") from None
         name = "max_new_tokens" if key == "max_tokens" else key
-        self.decode = replace(self.decode, **{name: parsed})
+        try:
+            self.decode = replace(self.decode, **{name: parsed})
+        except ValueError as err:  # the decoder's own check, in the chat's words
+            raise ValueError(str(err).replace(name, key)) from None
         return f"{key} = {parsed}"
 
     def settings(self) -> str:
@@ -75,7 +79,7 @@ class ChatSession:
 
     def reply(self, text: str, write: Callable[[str], None], cancelled: Callable[[], bool]) -> str:
         """Stream the answer to `text`; the conversation keeps what was said (also if cut)."""
-        turns = [*self.messages, {"role": "user", "content": text}]
+        turns = [*self.messages, {"role": "user", "content": check_text(text, "the line")}]
         if self.system:
             turns.insert(0, {"role": "system", "content": self.system})
         rt = self.runtime
@@ -164,9 +168,12 @@ def _save_history(readline, history) -> None:
         readline.write_history_file(history)
 
 
-def run_chat(session: ChatSession, *, out: TextIO = sys.stdout) -> None:
-    """The read-reply loop."""
+def run_chat(session: ChatSession, *, out: TextIO | None = None) -> None:
+    """The read-reply loop (writing to `out`, by default the standard output of the moment)."""
     interrupts = Interrupts()
+    out = out or sys.stdout
+    with contextlib.suppress(AttributeError, ValueError):  # bytes that are not UTF-8 reach the
+        sys.stdin.reconfigure(errors="surrogateescape")  # tokenizer's check, which names them
 
     def write(text: str) -> None:
         out.write(text)
@@ -181,6 +188,10 @@ def run_chat(session: ChatSession, *, out: TextIO = sys.stdout) -> None:
             return
         except KeyboardInterrupt:
             write("^C\n")
+            continue
+        except UnicodeDecodeError as err:  # bytes the terminal sent are not UTF-8
+            write(f"error: the line is not UTF-8 text (byte 0x{err.object[err.start]:02x}); "
+                  "nothing was sent\n")  # fmt: skip
             continue
         if not line.strip():
             continue

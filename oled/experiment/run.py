@@ -21,7 +21,7 @@ from oled.experiment.report import (
     summarize,
     write_report,
 )
-from oled.experiment.tracking import Tracker, tracked_run
+from oled.experiment.tracking import Tracker, check_store, tracked_run
 from oled.experiment.workload import Prompt, load_prompts
 from oled.recipe import Recipe
 
@@ -255,6 +255,7 @@ def run_experiment(
     if factory is None:
         from oled.runtime import build as factory
     work = load_workload(recipe)
+    check_store(recipe)  # an MLflow store that cannot open fails before the model loads
     start = time.perf_counter()
     runtime = factory(recipe)  # set-up errors (model, budget, device) raise before any run
     with tracked_run(recipe) as tracker:

@@ -93,6 +93,25 @@ def client_for(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
+def open_store(uri: str) -> Any:
+    """An `MlflowClient` for `uri` whose store answers; an OSError naming the store when it
+    cannot be opened (a sqlite file in a folder that is missing or not writable, a server that
+    does not answer), so that the failure is one line before any work."""
+    try:
+        client = client_for(uri)
+        client.search_experiments(max_results=1)
+    except Exception as exc:  # mlflow and sqlalchemy raise their own types
+        reason = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise OSError(f"cannot open the MLflow store {uri}: {reason.strip()}") from None
+    return client
+
+
+def check_store(recipe: Recipe) -> None:
+    """Open the recipe's MLflow store now, when tracking is on (see open_store)."""
+    if recipe.tracking.mlflow:
+        open_store(recipe.tracking.tracking_uri or default_tracking_uri())
+
+
 def experiment_id(client: Any, name: str, uri: str) -> str:
     """Id of experiment `name`, created if needed (artifacts beside a sqlite store)."""
     found = client.get_experiment_by_name(name)
@@ -123,7 +142,7 @@ def tracked_run(
         yield NullTracker()
         return
     uri = recipe.tracking.tracking_uri or default_tracking_uri()
-    client = client_for(uri)
+    client = open_store(uri)
     all_tags = {
         "oled.recipe": recipe.name,
         "oled.recipe_hash": recipe.hash(),

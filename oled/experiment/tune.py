@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from oled import registry as reg
-from oled.experiment.tracking import Tracker, tracked_run
+from oled.experiment.tracking import Tracker, check_store, tracked_run
 from oled.options import check_writable
 from oled.recipe import Recipe, SearchSpace, load_recipe
 from oled.recipe.schema import TuneSection
@@ -359,6 +359,7 @@ def tune_recipe(
     console = console or Console(stderr=True)
     if out is not None:
         check_writable(out, "--out")
+    check_store(recipe)
     if tune.objective == "run":  # real generations: a model or device missing here fails now
         from oled.runtime import check
 

@@ -77,6 +77,8 @@ def test_conversation_and_commands(child):
     assert prompt_tokens(ask(child, "/stats")) == one
     assert "max_tokens = 3" in ask(child, "/set max_tokens=3")
     assert "error" in ask(child, "/set threshold=2")
+    refused = ask(child, "/set max_tokens=-1")
+    assert "max_tokens must be at least 1" in refused and "max_new_tokens" not in refused
     assert "error" in ask(child, "/set colour=blue")
     assert "threshold=0.95" in ask(child, "/set")
     ask(child, "Short")
@@ -108,3 +110,21 @@ def test_ctrl_c_stops_a_reply_and_ctrl_d_leaves(tiny_dir, tmp_path):
         assert child.exitstatus == 0
     finally:
         child.close(force=True)
+
+
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(tiny_dir, tmp_path, errors):
+    """Latin-1 bytes piped in, whatever the standard input's own error handling: one error line
+    naming the byte, and the next line is answered (nothing after the bad bytes is lost)."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OLED_HOME": str(tmp_path),
+           "PYTHONIOENCODING": f"utf-8:{errors}"}  # fmt: skip
+    cmd = [sys.executable, "-m", "oled.cli", "chat", "--model", str(tiny_dir), "--device", "cpu",
+           "--dtype", "float32", "--max-tokens", "4", "--block-length", "8"]  # fmt: skip
+    done = subprocess.run(cmd, input=b"caf\xe9 au lait\nHello\n/stats\n", env=env,
+                          capture_output=True, timeout=120)  # fmt: skip
+    out = done.stdout.decode("utf-8", "replace")
+    assert done.returncode == 0, done.stderr.decode()
+    assert "error: the line is not valid UTF-8 text (byte 0xe9 at character 3)" in out
+    assert "reply 4 tokens" in out  # the next line was answered

@@ -126,3 +126,14 @@ def test_run_without_mlflow(tmp_path: Path, components) -> None:
     result = run_experiment(recipe, factory=SyntheticRuntime.from_recipe)
     assert result.run_id is None and (result.report_dir / "latency.png").exists()
     assert not Path("unused.db").exists()
+
+
+def test_an_mlflow_store_that_cannot_open_fails_before_any_work(tmp_path: Path, components):
+    (tmp_path / "a-file").write_text("")
+    uri = f"sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}"
+    recipe = tmp_path / "run.toml"
+    recipe.write_text(tracked_recipe_text(RECIPE, uri, tmp_path / "reports", "no-store"))
+    result = CliRunner().invoke(app, ["run", str(recipe)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: cannot open the MLflow store {uri}: ")
+    assert result.output.count("\n") == 1 and not (tmp_path / "reports").exists()
