@@ -467,7 +467,8 @@ def resolve_cost(
 
         calibration = calibrated_cost(ckpt.experts, dev, cache_home() / "cost")
         return calibration.cost, calibration.describe()
-    return CostModel.profile(cost), {"source": f"profile {cost}", **asdict(CostModel.profile(cost))}
+    profile = CostModel.profile(cost)
+    return profile, {"source": f"profile {cost}", **asdict(profile)}
 
 
 def load_runtime(model: str = DEFAULT_MODEL, **settings: Any) -> Runtime:

@@ -40,4 +40,6 @@ class DecodeConfig:
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if self.steps is not None and not 1 <= self.steps <= self.block_length:
-            raise ValueError("steps must be between 1 and block_length")
+            raise ValueError(
+                f"steps ({self.steps}) must be between 1 and block_length ({self.block_length})"
+            )

@@ -271,7 +271,7 @@ def _commit(conf: Tensor, masked: Tensor, cfg: DecodeConfig, iteration: int) -> 
     above = score > cfg.threshold if cfg.strict_threshold else score >= cfg.threshold
     best = torch.zeros_like(masked)
     n = cfg.at_least(iteration)
-    if n == 1:
+    if n == 1:  # argmax: the first of equal maxima (topk does not promise which)
         best[score.argmax()] = True
     else:  # unmasked positions score -1, below any confidence: `& masked` drops them
         best[score.topk(min(n, score.shape[0])).indices] = True

@@ -68,7 +68,8 @@ def run_workload(
     `repeats` timed passes over the prompts; the timed ones' stats."""
     wl = recipe.workload
     refs = wl.follow or wl.agreement
-    extra = len(prompts) * (refs + (wl.follow and wl.agreement))
+    free_runs = wl.follow and wl.agreement  # following: one more free run per prompt measures
+    extra = len(prompts) * (int(refs) + int(free_runs))
     timed: list[Stats] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -79,7 +80,7 @@ def run_workload(
             bar.advance(task)
         follow = reference if wl.follow else [None] * len(prompts)
         free = [None] * len(prompts)  # following: each prompt's free-running agreement
-        for i, prompt in enumerate(prompts if wl.follow and wl.agreement else []):
+        for i, prompt in enumerate(prompts if free_runs else []):
             bar.update(task, description="agreement")
             free[i] = generate(runtime, prompt, wl.chat, None, reference[i])["agreement"]
             bar.advance(task)

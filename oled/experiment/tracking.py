@@ -142,7 +142,7 @@ def tracked_run(
         yield NullTracker()
         return
     uri = recipe.tracking.tracking_uri or default_tracking_uri()
-    client = open_store(uri)
+    client = client_for(uri)  # the commands opened the store once before any work (check_store)
     all_tags = {
         "oled.recipe": recipe.name,
         "oled.recipe_hash": recipe.hash(),

@@ -150,10 +150,9 @@ class DecodingSection(Strict):
     strict_threshold: bool = DECODING.strict_threshold  # commit > threshold, as LLaDA2's generate
 
     @model_validator(mode="after")
-    def _steps(self) -> DecodingSection:
-        if self.steps is not None and self.steps > self.block_length:
-            raise ValueError(f"steps ({self.steps}) must be at most block_length "
-                             f"({self.block_length})")  # fmt: skip
+    def _decodable(self) -> DecodingSection:
+        """The checks across fields are the decoder's own (DecodeConfig)."""
+        self.config()
         return self
 
     def config(self) -> DecodeConfig:
