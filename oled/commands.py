@@ -118,6 +118,14 @@ def serve(
         str | None,
         typer.Option(envvar="OLED_API_KEY", help="Require this bearer token on /v1 routes."),
     ] = None,
+    max_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--max-batch",
+            help="Requests decoded together, one forward for all (default: the recipe's "
+            "runtime.max_batch, else 8; 1: one at a time).",
+        ),
+    ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
     from oled.serve.command import run_server, served_name
@@ -126,7 +134,7 @@ def serve(
     spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
                         graphs=graphs, kernels=kernels, block_length=block_length,
                         threshold=threshold, steps=steps, max_tokens=default_max_tokens,
-                        max_tokens_flag="--default-max-tokens")  # fmt: skip
+                        max_tokens_flag="--default-max-tokens", max_batch=max_batch)  # fmt: skip
     run_server(spec, host=host, port=port, model_name=served_model_name or served_name(spec),
                max_tokens=max_tokens, api_key=api_key)  # fmt: skip
 
@@ -243,11 +251,21 @@ def bench(
             "list; default: the recipe's workload.trace_prompts, else all).",
         ),
     ] = None,
+    streams: Annotated[
+        str | None,
+        typer.Option(
+            "--streams",
+            help="Concurrent streams, e.g. 1,2,4,8: per count, the same requests (as many as "
+            "the largest count, seeded random prompts) decode that many at a time in one batch; "
+            "aggregate and per-request tokens/s, time to first token, copies per token.",
+        ),
+    ] = None,
 ) -> None:
     """Benchmark ms per iteration, tokens/s and offload figures; compare recipes side by side.
 
     Each row is a recipe (or, without one, the model) with the flags over it; a row decodes
-    with its recipe's decoding, generating --gen-length tokens."""
+    with its recipe's decoding, generating --gen-length tokens. With --streams, rows of
+    concurrent requests decoded together instead."""
     from oled import bench as b
 
     if max_tokens is not None:
@@ -262,11 +280,47 @@ def bench(
     paths = [*(recipes or []), *([recipe] if recipe else [])]
     if prompts is not None and routing is None and not paths:
         raise ValueError("--prompts selects traced prompts: give --routing trace:PATH")
+    if streams is not None:
+        counts = stream_counts(streams)
+        if routing is not None or follow:
+            raise ValueError("--streams decodes random prompts freely: drop --routing/--follow")
+        _bench_streams(cfg, _row_specs(paths, model, cache_size, flags), counts, report_dir)
+        return
     specs = [
         (label, with_routing(spec, routing, prompts))
         for label, spec in _row_specs(paths, model, cache_size, flags)
     ]
     _bench_rows(cfg, specs, [_trace_workload(spec) for _, spec in specs], follow, report_dir)
+
+
+def stream_counts(text: str) -> list[int]:
+    """`--streams` as counts: positive integers, comma-separated."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--streams takes positive counts such as 1,2,4,8, not {text!r}")
+    return counts
+
+
+def _bench_streams(cfg, specs, counts: list[int], report_dir: Path | None) -> None:
+    """Rows of concurrent streams per spec (oled.bench.streams), the table and the report."""
+    from oled import bench as b
+    from oled.bench.streams import bench_streams, streams_table
+    from oled.runtime import build
+
+    rows, used = [], "cpu"
+    for label, spec in specs:
+        rt = build(spec)
+        used = str(rt.device)
+        err_console.print(f"[dim]{label}: {max(counts)} requests, prompt {cfg.prompt_length}, "
+                          f"{cfg.gen_length} tokens, at {counts} streams[/dim]")  # fmt: skip
+        rows += bench_streams(rt, cfg, label, counts)
+        del rt
+    Console(highlight=False, width=max(160, Console().width)).print(streams_table(rows))
+    if report_dir is not None:
+        err_console.print(f"[dim]report: {b.write_report(report_dir, cfg, rows, used)}[/dim]")
 
 
 def _row_specs(paths: list[Path], model: str | None, cache_size: int | None,

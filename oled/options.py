@@ -113,6 +113,7 @@ def runtime_flags(
     temperature: float | None = None,
     seed: int | None = None,
     use_cache: bool | None = None,
+    max_batch: int | None = None,
     max_tokens_flag: str = "--max-tokens",
 ) -> dict[str, tuple[str, Any]]:
     """The runtime and decoding flags as recipe keys: `{dotted key: (flag, value or None)}`
@@ -131,6 +132,7 @@ def runtime_flags(
         "decoding.temperature": ("--temperature", temperature),
         "decoding.seed": ("--seed", seed),
         "decoding.use_cache": ("--no-cache", use_cache),
+        "runtime.max_batch": ("--max-batch", max_batch),
     }
 
 

@@ -21,6 +21,7 @@ import torch
 
 from oled import kernels as fused_kernels
 from oled.decoding import BlockDecoder, BlockInfo, DecodeConfig, DecodeObserver, GenerationStats
+from oled.decoding.batch import BatchDecoder
 from oled.decoding.follow import Trajectory
 from oled.decoding.replay import RoutingReplay, special_ids
 from oled.model.checkpoint import Checkpoint, load_checkpoint
@@ -205,6 +206,17 @@ class Runtime:
                 yield block
         finally:
             self.last_stats = decoder.stats
+
+    def batch_decoder(self, max_batch: int, *, block_length: int | None = None) -> BatchDecoder:
+        """A decoder of up to `max_batch` generations at once (oled.decoding.batch) on this
+        runtime's forwards (graphed on CUDA), experts and observers; its streams use block
+        length `block_length` (the decode config's by default)."""
+        fused_kernels.use(self.kernels)
+        return BatchDecoder(
+            self.model, mask_id=self.tokenizer.mask_id, stop_ids=self.tokenizer.stop_ids,
+            observers=self.observers, forward=self.forward, max_batch=max_batch,
+            block_length=block_length or self.decode.block_length,
+        )  # fmt: skip
 
     def routing_replay(self, trace) -> RoutingReplay:
         """A trace (oled.decoding.trace_file.Trace) ready to replay on this model (the last one is

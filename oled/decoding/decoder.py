@@ -129,16 +129,9 @@ class BlockDecoder:
         if not prompt:
             raise ValueError("the prompt is empty")
         device = self.model.lm_head.weight.device
-        bl = cfg.block_length
         p = len(prompt)
-        first = (p // bl) * bl
-        n_blocks = -(-(p + cfg.max_new_tokens - first) // bl)  # ceil
-        total = first + n_blocks * bl
-        limit = self.model.config.max_position_embeddings
-        if total > limit:
-            raise ValueError(f"prompt + answer need {total} positions; the model allows {limit}")
-        seq = torch.full((1, total), self.mask_id, dtype=torch.long, device=device)  # [1, S]
-        seq[0, :p] = torch.tensor(list(prompt), dtype=torch.long, device=device)
+        first, n_blocks, total = layout(p, cfg, self.model.config.max_position_embeddings)
+        seq = masked_sequence(prompt, total, self.mask_id, device)  # [1, S]
         cache = self.forward.new_cache(total, device) if cfg.use_cache else None
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature else None
         self.stats = GenerationStats(prompt_tokens=p)
@@ -159,12 +152,8 @@ class BlockDecoder:
                 self.stats.stopped = "cancelled"
                 return
             block = seq[0, start : start + bl]
-            new = block[max(p - start, 0) :].tolist()
-            room = cfg.max_new_tokens - len(generated)
-            new = new[:room]
-            stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
-            if stop_at is not None:
-                new = new[:stop_at]
+            new, stop_at = block_answer(block, p - start, cfg.max_new_tokens - len(generated),
+                                        self.stop_ids)  # fmt: skip
             generated += new
             self.stats.new_tokens = len(generated)
             self.stats.blocks = b + 1
@@ -251,6 +240,36 @@ class BlockDecoder:
         )
         cache.length = start  # keep the prefix (now including any pending tokens), drop the block
         return logits[0], end - past
+
+
+def layout(prompt_length: int, cfg: DecodeConfig, limit: int) -> tuple[int, int, int]:
+    """Where a generation lies: (first block's start, blocks, positions in all); ValueError
+    when they pass the model's `limit` positions. Blocks are aligned to absolute positions, so
+    the first one holds the prompt's last partial block."""
+    bl = cfg.block_length
+    first = (prompt_length // bl) * bl
+    n_blocks = -(-(prompt_length + cfg.max_new_tokens - first) // bl)  # ceil
+    total = first + n_blocks * bl
+    if total > limit:
+        raise ValueError(f"prompt + answer need {total} positions; the model allows {limit}")
+    return first, n_blocks, total
+
+
+def masked_sequence(prompt: Sequence[int], total: int, mask_id: int, device) -> Tensor:
+    """[1, total] int64: the prompt, then mask ids."""
+    seq = torch.full((1, total), mask_id, dtype=torch.long, device=device)  # [1, S]
+    seq[0, : len(prompt)] = torch.tensor(list(prompt), dtype=torch.long, device=device)
+    return seq
+
+
+def block_answer(
+    block: Tensor, prompt_in_block: int, room: int, stop_ids: set[int]
+) -> tuple[list[int], int | None]:
+    """A finished block's answer tokens (past the prompt's, at most `room`, cut before a stop
+    id) and where the stop id was (None: no stop)."""
+    new = block[max(prompt_in_block, 0) :].tolist()[:room]
+    stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
+    return (new if stop_at is None else new[:stop_at]), stop_at
 
 
 def _confidence(logits: Tensor, temperature: float, gen) -> tuple[Tensor, Tensor]:

@@ -30,6 +30,15 @@ class IterationInfo:
 
 
 @dataclass(frozen=True)
+class BatchIterationInfo:
+    """One batched forward (oled.decoding.batch): each sequence's iteration, in row order."""
+
+    step: int  # forwards of the batch so far, this one included, minus one
+    block: int  # blocks begun over the batch (a new value: some sequence began a block)
+    rows: list[IterationInfo]  # per sequence; its forward_tokens rows, pending prefix first
+
+
+@dataclass(frozen=True)
 class BlockInfo:
     """A finished block."""
 
@@ -51,6 +60,10 @@ class DecodeObserver:
 
     def on_iteration(self, info: IterationInfo) -> None:
         """A forward ran and the decoder committed tokens."""
+
+    def on_batch_iteration(self, info: BatchIterationInfo) -> None:
+        """A batched forward ran and each of its sequences committed tokens (in place of
+        `on_iteration`, which batched decoding does not call)."""
 
     def on_block_end(self, info: BlockInfo) -> None:
         """A block has no mask left."""

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from oled.model.experts import combine
-from oled.model.model import KVCache, LLaDA2Model, MoERequest, drive
+from oled.model.model import BatchRows, KVCache, LLaDA2Model, MoERequest, drive
 
 
 class PiecewiseExecutor(Protocol):
@@ -106,6 +106,7 @@ class Graphs:
 @dataclass
 class _Captured:
     tokens: Tensor  # [B, T] static input
+    rows: BatchRows | None  # static rows of a batched forward
     logits: Tensor  # [B, T - logits_from, V] static output
     pieces: list[torch.cuda.CUDAGraph]  # one graph (whole) or one per stretch (pieces)
     layers: list[int]  # MoE layer answered after pieces[i] (pieces mode)
@@ -120,8 +121,21 @@ class EagerForward:
         self.model = model
 
     def new_cache(self, total: int, device) -> KVCache:
+        return self._kv(1, total, device)
+
+    def new_batch_cache(self, slots: int, total: int, device) -> KVCache:
+        """A cache of `slots` sequences of up to `total` positions (batched decoding)."""
+        return self._kv(slots, total, device)
+
+    def _kv(self, slots: int, total: int, device) -> KVCache:
         dtype = self.model.model.word_embeddings.weight.dtype
-        return KVCache(self.model.config, max_len=total, batch=1, dtype=dtype, device=device)
+        return KVCache(self.model.config, max_len=total, batch=slots, dtype=dtype, device=device)
+
+    def batch(
+        self, tokens: Tensor, *, rows: BatchRows, cache: KVCache, block_length: int
+    ) -> Tensor:
+        """A batched forward (oled.decoding.batch): logits [1, R, V] of `rows.logit_rows`."""
+        return self.model(tokens, cache=cache, block_length=block_length, rows=rows)
 
     def __call__(
         self, tokens: Tensor, *, start: int, cache: KVCache | None, block_length: int,
@@ -154,6 +168,7 @@ class GraphedForward(EagerForward):
         self.captured: OrderedDict[tuple, _Captured] = OrderedDict()
         self.max_keys = max_keys
         self.cache: KVCache | None = None
+        self.batch_cache: KVCache | None = None
         self.warm = False
         self.failed: str | None = None
         self.retried: set[tuple] = set()
@@ -166,49 +181,93 @@ class GraphedForward(EagerForward):
             self.captured.clear()
             self.graphs = Graphs()  # the old pool went with its last graph
             self.cache = None  # free the old buffers first
-            self.cache = super().new_cache(size, device)
+            self.cache = self._kv(1, size, device)
         self.cache.length = 0
         return self.cache
+
+    def new_batch_cache(self, slots: int, total: int, device) -> KVCache:
+        """A fresh batch cache (the graphs of the previous one's forwards are dropped)."""
+        self.batch_cache = None
+        for key in [k for k in self.captured if k[0] == "batch"]:
+            del self.captured[key]
+        if not self.captured:  # torch freed the pool with its last graph: a new one
+            self.graphs = Graphs()
+        self.batch_cache = self._kv(slots, total, device)
+        return self.batch_cache
 
     def __call__(
         self, tokens: Tensor, *, start: int, cache: KVCache | None, block_length: int,
         logits_from: int,
     ) -> Tensor:  # fmt: skip
         eager = (
-            self.failed
-            or cache is None
+            cache is None
             or cache is not self.cache
             or tokens.shape[1] > 2 * block_length  # a prompt's prefill: once, not worth a graph
-            or self._hooked()
-            or not self.warm
         )
-        if not eager:
-            key = (tuple(tokens.shape), start, block_length, logits_from,
-                   self.model.routing_key)  # fmt: skip
-            try:
-                return self._graphed(key, tokens, start, block_length, logits_from)
-            except RuntimeError as err:
-                if key in self.retried:  # an op this torch cannot capture: eager from now on
-                    self.failed = f"CUDA graph capture failed, running eagerly: {err}"
-                    warnings.warn(self.failed, stacklevel=2)
-                self.retried.add(key)
+        key = (tuple(tokens.shape), start, block_length, logits_from, self.model.routing_key)
+
+        def steps(static: Tensor, _rows):
+            return self.model.steps(
+                static, start=start, cache=self.cache, block_length=block_length,
+                logits_from=logits_from,
+            )  # fmt: skip
+
+        logits = None if eager else self._try_graphed(key, tokens, None, steps)
         self.warm = self.warm or cache is not None
+        if logits is not None:
+            return logits
         return super().__call__(
             tokens, start=start, cache=cache, block_length=block_length, logits_from=logits_from
         )
 
-    def _graphed(self, key: tuple, tokens: Tensor, start: int, block_length: int,
-                 logits_from: int):  # fmt: skip
+    def batch(
+        self, tokens: Tensor, *, rows: BatchRows, cache: KVCache, block_length: int
+    ) -> Tensor:
+        """A batched forward, replayed as graphs keyed by its shapes (rows.shape): the
+        positions, slots and lengths are inputs. Forwards with a prompt's prefill (a stream of
+        more than two blocks of rows) run eagerly."""
+        eager = cache is not self.batch_cache or rows.queries.shape[1] > 2 * block_length
+        key = ("batch", rows.shape, block_length, self.model.routing_key)
+
+        def steps(static: Tensor, static_rows: BatchRows):
+            return self.model.steps(
+                static, cache=cache, block_length=block_length, rows=static_rows
+            )
+
+        logits = None if eager else self._try_graphed(key, tokens, rows, steps)
+        self.warm = True
+        if logits is not None:
+            return logits
+        return super().batch(tokens, rows=rows, cache=cache, block_length=block_length)
+
+    def _try_graphed(self, key: tuple, tokens: Tensor, rows: BatchRows | None, steps):
+        """The key's graphs replayed (captured first if new), or None where the forward runs
+        eagerly: graphs failed, routing hooks attached (trace recording), the first forward,
+        or a capture that failed (retried once, then eager for good)."""
+        if self.failed or self._hooked() or not self.warm:
+            return None
+        try:
+            return self._graphed(key, tokens, rows, steps)
+        except RuntimeError as err:
+            if key in self.retried:  # an op this torch cannot capture: eager from now on
+                self.failed = f"CUDA graph capture failed, running eagerly: {err}"
+                warnings.warn(self.failed, stacklevel=2)
+            self.retried.add(key)
+            return None
+
+    def _graphed(self, key: tuple, tokens: Tensor, rows: BatchRows | None, steps):
         """Replay the key's graphs (captured first if new); the logits [B, T', V]."""
         entry = self.captured.get(key)
         if entry is None:
-            entry = self._capture(tokens, start, block_length, logits_from)
+            entry = self._capture(tokens, rows, steps)
             self.captured[key] = entry
             while len(self.captured) > self.max_keys:
                 self.captured.popitem(last=False)
         else:
             self.captured.move_to_end(key)
             entry.tokens.copy_(tokens)
+            if rows is not None:
+                entry.rows.copy_(rows)
         self._replay(entry)
         return entry.logits
 
@@ -222,15 +281,14 @@ class GraphedForward(EagerForward):
             self.executor.run_static(layer, entry.tokens.numel())
             graph.replay()
 
-    def _capture(self, tokens: Tensor, start: int, block_length: int, logits_from: int):
+    def _capture(self, tokens: Tensor, rows: BatchRows | None, make_steps):
+        """Capture the forward `make_steps(static tokens, static rows)` as graphs."""
         static = tokens.clone()
-        steps = self.model.steps(
-            static, start=start, cache=self.cache, block_length=block_length,
-            logits_from=logits_from,
-        )  # fmt: skip
+        static_rows = None if rows is None else BatchRows.clone(rows)
+        steps = make_steps(static, static_rows)
         if self.whole:
             graph, logits = self.graphs.capture(lambda: drive(steps, self.model.execute))
-            return _Captured(static, logits, [graph], [])
+            return _Captured(static, static_rows, logits, [graph], [])
         dtype = self.model.model.word_embeddings.weight.dtype
         t = static.numel()
         pieces, layers, logits = [], [], None
@@ -242,7 +300,7 @@ class GraphedForward(EagerForward):
             pieces.append(graph)
             if request is not None:
                 layers.append(request.layer)
-        return _Captured(static, logits, pieces, layers)
+        return _Captured(static, static_rows, logits, pieces, layers)
 
     def _piece(self, steps, previous: int | None, dtype, t: int):
         """One stretch of the forward: from the previous MoE layer's pairs (static) to the

@@ -82,12 +82,15 @@ class Attention(nn.Module):
         cos: Tensor,
         sin: Tensor,
         kv: tuple[Tensor, Tensor] | None,
-        past: int,
+        past,
         mask: Tensor | None,
     ) -> Tensor:
-        """x [B, T, H]; kv: this layer's cache buffers [B, kv_heads, S_max, D] or None."""
+        """x [B, T, H]; kv: this layer's cache buffers [B, kv_heads, S_max, D] or None; past:
+        the cached prefix length, or the BatchRows of a batched forward (x [1, T, H])."""
         b, t, _ = x.shape
         qkv = self.query_key_value(x)  # [B, T, (h + 2 kv) * D]
+        if not isinstance(past, int):
+            return self._batched(qkv, rotary, cos, sin, kv, past, mask)
         if kernels.fused(qkv):
             q, k, v = self._qkv_fused(qkv, rotary, cos, sin, kv, past)
         else:
@@ -96,6 +99,44 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
         )  # [B, h, T, D]
         return self.dense(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+    def _batched(self, qkv, rotary, cos, sin, kv, rows, mask) -> Tensor:
+        """Several sequences' rows qkv [1, T, ...] (oled.model.model.BatchRows): their keys and
+        values into their slots, then one attention over padded [B, t_max] query blocks."""
+        t = qkv.shape[1]
+        qkv_ = self._qkv_fused if kernels.fused(qkv) else self._qkv
+        q, k, v = qkv_(qkv, rotary, cos, sin, None, 0)  # [1, h, T, D], [1, kv, T, D] x2
+        kbuf, vbuf = kv  # [slots, kv, S_max, D]
+        if rows.spans is not None:
+            return self.dense(self._per_sequence(q, k, v, kbuf, vbuf, rows.spans, mask))
+        kbuf[rows.row_slots, :, rows.positions] = k[0].transpose(0, 1)  # [T, kv, D]
+        vbuf[rows.row_slots, :, rows.positions] = v[0].transpose(0, 1)
+        keys = kbuf[:, :, : rows.keys].index_select(0, rows.slots)  # [B, kv, S, D]
+        values = vbuf[:, :, : rows.keys].index_select(0, rows.slots)
+        nb, t_max = rows.queries.shape
+        padded = q[0].transpose(0, 1).index_select(0, rows.queries.view(-1))  # [B*t_max, h, D]
+        padded = padded.view(nb, t_max, self.heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            padded, keys, values, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
+        )  # [B, h, t_max, D]
+        out = out.transpose(1, 2).reshape(nb * t_max, self.heads * self.head_dim)
+        return self.dense(out.index_select(0, rows.unpad).view(1, t, -1))  # [1, T, H]
+
+    def _per_sequence(self, q, k, v, kbuf, vbuf, spans, masks) -> Tensor:
+        """Each sequence's attention over exactly its own keys, as a one-sequence forward:
+        q [1, h, T, D], k/v [1, kv, T, D] -> [1, T, h * D]."""
+        outs, row = [], 0
+        for (slot, start, n), mask in zip(spans, masks, strict=True):
+            kb, vb = kbuf[slot : slot + 1], vbuf[slot : slot + 1]  # [1, kv, S_max, D]
+            kb[:, :, start : start + n] = k[:, :, row : row + n]
+            vb[:, :, start : start + n] = v[:, :, row : row + n]
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, row : row + n], kb[:, :, : start + n], vb[:, :, : start + n],
+                attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True,
+            ))  # fmt: skip
+            row += n
+        out = torch.cat(outs, dim=2)  # [1, h, T, D]
+        return out.transpose(1, 2).reshape(1, row, self.heads * self.head_dim)
 
     def _qkv(self, qkv, rotary, cos, sin, kv, past) -> tuple[Tensor, Tensor, Tensor]:
         """Normed, rotated q [B, h, T, D] and the keys/values to attend [B, kv, S, D] (torch)."""

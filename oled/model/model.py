@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
 import torch
@@ -100,6 +100,97 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         return self.k[i], self.v[i]
+
+
+@dataclass
+class BatchRows:
+    """Where the rows of one batched forward belong: several sequences' rows side by side.
+
+    Sequence b runs `lengths[b]` rows at absolute positions starts[b]..., over the keys its KV
+    slot `slots[b]` holds before them. The linear layers and the experts see the rows as one
+    [1, T, H] batch (one routing plan for all of them); attention gathers each sequence's rows
+    into a padded [B, t_max] query block over its own slot's keys, with a mask built on the
+    device from these tensors, so a forward's kernels depend only on the shapes (T, B, t_max,
+    keys, logits rows) and replay as CUDA graphs whatever the positions (oled.model.graphs).
+    """
+
+    positions: Tensor  # [T] int64: each row's absolute position
+    row_slots: Tensor  # [T] int64: each row's KV slot
+    queries: (
+        Tensor  # [B, t_max] int64: the row each padded query takes (pads: the sequence's first)
+    )
+    unpad: Tensor  # [T] int64: each row's index in the flattened [B * t_max] query block
+    query_pos: Tensor  # [B, t_max] int64: the padded queries' positions
+    key_len: Tensor  # [B] int64: keys valid per sequence (start + rows)
+    slots: Tensor  # [B] int64: each sequence's KV slot
+    logit_rows: Tensor  # [R] int64: the rows whose logits the forward returns
+    keys: int  # keys attended per sequence (>= every key_len: the padded key length)
+    spans: tuple[tuple[int, int, int], ...] | None = None  # exact: (slot, start, rows) each
+
+    @classmethod
+    def build(
+        cls, slots: list[int], starts: list[int], lengths: list[int], logits_from: list[int],
+        *, keys: int, device, exact: bool = False,
+    ) -> BatchRows:  # fmt: skip
+        """Rows of sequences in `slots` order; each returns the logits of its rows from
+        `logits_from[b]` on; `keys` >= every start + length; `exact`: attention per sequence
+        over its own keys (no graphs)."""
+        t_max = max(lengths)
+        ends = [s + n for s, n in zip(starts, lengths, strict=True)]
+        if keys < max(ends):
+            raise ValueError(f"{keys} keys do not cover the batch's sequences (up to {max(ends)})")
+        flat = [[], [], [], []]  # per row: position, slot, index in the padded block; logit rows
+        pads = [[], []]  # per padded query: its row, its position
+        row = 0
+        for b, (slot, start, n, skip) in enumerate(
+            zip(slots, starts, lengths, logits_from, strict=True)
+        ):
+            flat[0] += range(start, start + n)
+            flat[1] += [slot] * n
+            flat[2] += range(b * t_max, b * t_max + n)
+            flat[3] += range(row + skip, row + n)
+            pads[0] += [*range(row, row + n), *[row] * (t_max - n)]
+            pads[1] += [*range(start, start + n), *[start] * (t_max - n)]
+            row += n
+
+        def dev(values: list[int], *shape: int) -> Tensor:
+            return torch.tensor(values, dtype=torch.long).view(*shape).to(device)
+
+        nb = len(slots)
+        return cls(
+            positions=dev(flat[0], -1), row_slots=dev(flat[1], -1), unpad=dev(flat[2], -1),
+            logit_rows=dev(flat[3], -1), queries=dev(pads[0], nb, t_max),
+            query_pos=dev(pads[1], nb, t_max), key_len=dev(ends, -1), slots=dev(slots, -1),
+            keys=keys, spans=tuple(zip(slots, starts, lengths, strict=True)) if exact else None,
+        )  # fmt: skip
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """What the forward's kernels depend on: (T, B, t_max, keys, logits rows)."""
+        b, t_max = self.queries.shape
+        return (self.positions.shape[0], b, t_max, self.keys, self.logit_rows.shape[0])
+
+    def clone(self) -> BatchRows:
+        """Buffers of their own holding these rows (a graph's static input)."""
+        return replace(self, **{name: getattr(self, name).clone() for name in TENSORS})
+
+    def copy_(self, other: BatchRows) -> None:
+        """Take `other`'s rows (of the same shape) into these buffers."""
+        for name in TENSORS:
+            getattr(self, name).copy_(getattr(other, name))
+
+    def mask(self, block_length: int) -> Tensor:
+        """[B, 1, t_max, keys] bool: query p of sequence b sees key j < key_len[b] with
+        block(j) <= block(p), block-causal as `block_causal_mask`."""
+        keys = torch.arange(self.keys, device=self.positions.device)  # [S]
+        valid = keys[None, :] < self.key_len[:, None]  # [B, S]
+        causal = (keys[None, None, :] // block_length) <= (
+            self.query_pos[:, :, None] // block_length
+        )  # [B, t_max, S]
+        return (valid[:, None, :] & causal)[:, None]
+
+
+TENSORS = [f.name for f in fields(BatchRows) if f.name not in ("keys", "spans")]
 
 
 class MoE(nn.Module):
@@ -246,6 +337,7 @@ class LLaDA2Model(nn.Module):
         cache: KVCache | None = None,
         block_length: int = 32,
         logits_from: int = 0,
+        rows: BatchRows | None = None,
     ) -> ForwardSteps:
         """The forward as a generator over tokens [B, T] at absolute positions start...: it
         yields each MoE layer's request, is sent the routed sum [T, H], and returns the logits
@@ -255,21 +347,38 @@ class LLaDA2Model(nn.Module):
         Attention is block-causal over blocks of `block_length` absolute positions. With a cache,
         the cache's first `start` positions are the prefix and the new tokens' keys and values are
         written after it (the caller decides how many of them to keep by setting cache.length).
+        With `rows`, tokens [1, T] are several sequences' rows side by side (BatchRows), each
+        over its own slot of the cache; the logits are those of `rows.logit_rows`, [1, R, V].
         """
         b, t = tokens.shape
-        if cache is not None and cache.length != start:
+        if rows is not None:
+            if cache is None:
+                raise ValueError("a batched forward needs a KV cache with a slot per sequence")
+        elif cache is not None and cache.length != start:
             raise ValueError(f"cache holds {cache.length} tokens but start is {start}")
-        if cache is None and start != 0:
+        elif cache is None and start != 0:
             raise ValueError("without a cache the tokens must start at position 0")
         with stage("embedding"):
-            positions = torch.arange(start, start + t, device=tokens.device)  # [T]
-            mask = block_causal_mask(start, t, block_length, tokens.device)  # [T, S] or None
+            if rows is None:
+                positions = torch.arange(start, start + t, device=tokens.device)  # [T]
+                mask = block_causal_mask(start, t, block_length, tokens.device)  # [T, S] | None
+                past: int | BatchRows = start
+            else:
+                positions, past = rows.positions, rows
+                mask = (
+                    rows.mask(block_length)
+                    if rows.spans is None
+                    else [
+                        block_causal_mask(start, n, block_length, tokens.device)
+                        for _, start, n in rows.spans
+                    ]
+                )  # [B, 1, t_max, S], or per sequence [n, start + n] | None
             x = self.model.word_embeddings(tokens)  # [B, T, H]
             cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             kv = cache.layer(i) if cache is not None else None
             with stage("attention"):
-                x = layer.attend(x, self.rotary, cos, sin, kv, start, mask)
+                x = layer.attend(x, self.rotary, cos, sin, kv, past, mask)
             if isinstance(layer.mlp, MoE):
                 with stage("routing"):
                     h = layer.post_attention_layernorm(x)
@@ -281,7 +390,8 @@ class LLaDA2Model(nn.Module):
                 with stage("dense MLP"):
                     x = x + layer.mlp(layer.post_attention_layernorm(x))
         with stage("lm head"):
-            x = self.model.norm(x[:, logits_from:])
+            x = x[:, logits_from:] if rows is None else x[:, rows.logit_rows]
+            x = self.model.norm(x)
             return self.lm_head(x).float()
 
 

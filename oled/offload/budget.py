@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -27,6 +27,8 @@ class Budget:
     value: float | None = None
 
     def __post_init__(self) -> None:
+        if self.kind not in get_args(BudgetKind):
+            raise ValueError(f"unknown budget {self.kind!r}; choose from {get_args(BudgetKind)}")
         if self.kind == "expert_fraction" and not (self.value and 0 < self.value <= 1):
             raise ValueError(f"expert_fraction must be in (0, 1], got {self.value}")
         if self.kind in ("expert_budget", "slots_per_layer", "gpu_memory") and not (

@@ -27,7 +27,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from oled.decoding.observers import BlockInfo, DecodeObserver, IterationInfo
+from oled.decoding.observers import (
+    BatchIterationInfo,
+    BlockInfo,
+    DecodeObserver,
+    IterationInfo,
+)
 from oled.model.experts import ExpertStore, combine, expert_pairs, expert_rows
 from oled.model.graphs import Graphs
 from oled.model.model import MoERequest
@@ -405,7 +410,13 @@ class OffloadEngine(DecodeObserver):
 
     def on_iteration(self, info: IterationInfo) -> None:
         """Hand the forward's routing and token states to the policies; collect timings."""
-        ctx = step_context(info)
+        self._observed(step_context(info))
+
+    def on_batch_iteration(self, info: BatchIterationInfo) -> None:
+        """As `on_iteration`, for a batched forward: every stream's rows in order."""
+        self._observed(batch_context(info))
+
+    def _observed(self, ctx: StepContext) -> None:
         for layer, routing in enumerate(self._routing):
             if routing is not None:
                 self.planner.observe(layer, routing[0], routing[1], ctx)
@@ -551,6 +562,20 @@ class _EventPool:
         """Make every recorded event reusable (only after both streams are synchronised)."""
         self._free += self._used
         self._used.clear()
+
+
+def batch_context(info: BatchIterationInfo) -> StepContext:
+    """The rows of a batched forward: each stream's `step_context` rows, side by side, with
+    the pending prefix rows named."""
+    parts = [step_context(row) for row in info.rows]
+    prefix = np.concatenate(
+        [np.arange(row.forward_tokens) < row.forward_tokens - len(row.masked) for row in info.rows]
+    )
+    return StepContext(
+        block=info.block, iteration=0, step=info.step,
+        token_state=np.concatenate([c.token_state for c in parts]),
+        confidence=np.concatenate([c.confidence for c in parts]), prefix=prefix,
+    )  # fmt: skip
 
 
 def step_context(info: IterationInfo) -> StepContext:

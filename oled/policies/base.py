@@ -27,6 +27,8 @@ class StepContext:
     step: int  # over the whole generation
     token_state: np.ndarray  # [T] int8: TOKEN_FIXED / TOKEN_MASKED / TOKEN_COMMITTED
     confidence: np.ndarray  # [T] float32; 1.0 for fixed rows
+    prefix: np.ndarray | None = None  # [T] bool: pending prefix rows (None: all rows but the
+    # last block_length, as in one sequence's forward; a batched forward names them)
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:

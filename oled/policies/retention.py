@@ -170,8 +170,9 @@ class ConfidenceRetention(RetentionPolicy):
         fm = np.where(masked, self.masked_weight * (1.0 - self.confidence_slope * conf), 0.0)
         fs = np.where(state == TOKEN_COMMITTED, self.committed_weight, self.fixed_weight)
         fs[masked] = 0.0
-        n_prefix = len(state) - self.block_length
-        if n_prefix > 0:
+        if ctx.prefix is not None:
+            fs[ctx.prefix] = self.prefix_weight
+        elif (n_prefix := len(state) - self.block_length) > 0:
             fs[:n_prefix] = self.prefix_weight
         return fm, fs
 

@@ -116,6 +116,7 @@ class RuntimeSection(Strict):
     cuda_graphs: bool = True  # replay forwards as CUDA graphs on CUDA (the same tokens)
     kernels: Literal["auto", "triton", "torch"] = "auto"  # fused Triton kernels on CUDA
     planner: Literal["auto", "compiled", "python"] = "auto"  # host decisions (same decisions)
+    max_batch: int = Field(8, ge=1)  # generations `oled serve` decodes together (1: in turn)
 
     @field_validator("kernels", mode="before")
     @classmethod
@@ -363,6 +364,7 @@ HASHED_WHEN_SET = {
     ("decoding", "steps"): None,
     ("decoding", "strict_threshold"): False,
     ("workload", "agreement"): True,
+    ("runtime", "max_batch"): 8,
 }
 
 

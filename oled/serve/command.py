@@ -37,12 +37,16 @@ def served_name(spec: Recipe) -> str:
 def run_server(spec: Recipe, *, host: str, port: int, model_name: str, max_tokens: int,
                api_key: str | None) -> None:  # fmt: skip
     """Listen at once; the model loads in the background (`/health` is 503 until it is ready).
-    A request without max_tokens gets the spec's decoding.max_new_tokens."""
+    A request without max_tokens gets the spec's decoding.max_new_tokens; up to the spec's
+    runtime.max_batch requests decode together."""
     from oled.runtime import build
     from oled.serve.app import create_app
 
+    if not spec.decoding.use_cache:
+        raise ValueError("oled serve decodes requests together, which keeps each one's prefix "
+                         "cached: set decoding.use_cache to true")  # fmt: skip
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
-    engine = Engine(lambda: build(spec))
+    engine = Engine(lambda: build(spec), max_batch=spec.runtime.max_batch)
     app = create_app(engine, model_name=model_name, max_tokens=max_tokens, api_key=api_key,
                      default_max_tokens=spec.decoding.max_new_tokens)  # fmt: skip
     logging.getLogger("oled.serve").info("serving %r at http://%s:%d/v1", model_name, host, port)

@@ -1,10 +1,15 @@
-"""The engine side of the server: one worker thread decodes queued requests one at a time.
+"""The engine side of the server: one worker thread decodes the queued requests together, up to
+`max_batch` at a time (oled.decoding.batch: one forward per iteration over all of them).
 
 The model loads in that thread after the server starts listening (`/health` says 503 until it
-is ready). Each request becomes a `Job`; the worker streams text `Piece`s and then one `Done` or
-`Failed` into the job's asyncio queue. Setting `job.cancel` (a client went away) stops the
-generation at the next forward through `Runtime.stream(cancelled=...)`. `Engine.close` (the
-server is shutting down) ends every open job at once with a 503 `Failed`.
+is ready). Each request becomes a `Job`; jobs join the batch at iteration boundaries, in order
+of arrival. A batch has one block length: a job with another one waits until the batch drains
+(and the jobs behind it wait too), then a decoder of its block length takes over. The worker
+streams text `Piece`s per finished block and then one `Done` or `Failed` into each job's asyncio
+queue. Setting `job.cancel` (a client went away, or a stop string ended the text) drops the
+generation from the batch at the next iteration. A forward that fails fails every job of the
+batch; later jobs get a fresh decoder. `Engine.close` (the server is shutting down) ends every
+open job at once with a 503 `Failed`.
 """
 
 from __future__ import annotations
@@ -16,13 +21,17 @@ import queue
 import threading
 import time
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from oled.decoding import DecodeConfig
-from oled.runtime import Runtime, stats_dict
-from oled.serve.metrics import Metrics
+from oled.decoding import BlockInfo, DecodeConfig, DecodeObserver
+from oled.decoding.batch import BatchDecoder, Stream
+from oled.decoding.observers import BatchIterationInfo
+from oled.recipe.schema import RUNTIME
+from oled.runtime import Runtime, offload_stats
+from oled.serve.metrics import OFFLOAD_COUNTERS, Metrics
 
 log = logging.getLogger("oled.serve")
 
@@ -60,7 +69,9 @@ class Failed:
     @property
     def kind(self) -> str:
         """The OpenAI error type."""
-        return "service_unavailable" if self.status == 503 else "server_error"
+        if self.status == 503:
+            return "service_unavailable"
+        return "server_error" if self.status >= 500 else "invalid_request_error"
 
 
 SHUTTING_DOWN = "the server is shutting down"
@@ -94,11 +105,48 @@ class Job:
         return event
 
 
-class Engine:
-    """Owns the runtime and the worker thread."""
+@dataclass(eq=False)
+class Running:
+    """A job in the batch (its stream's tag) and its text so far."""
 
-    def __init__(self, loader: Callable[[], Runtime], *, metrics: Metrics | None = None) -> None:
+    job: Job
+    text: TextAssembler
+
+
+class BatchWatch(DecodeObserver):
+    """A batch decoder's hooks for the metrics: the requests of each forward, and the offload
+    counters of the decoder's run counted so far (the offload engine's figures are the run's
+    totals, from its first request on: a generation's own share cannot be told apart)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.counted: dict[str, float] = {}
+
+    def on_generation_start(self, prompt_length: int) -> None:
+        self.counted = {}
+
+    def on_batch_iteration(self, info: BatchIterationInfo) -> None:
+        self.metrics.batch_size.observe(len(info.rows))
+
+    def uncounted(self, offload: dict[str, float] | None) -> dict[str, float] | None:
+        """`offload` with its counters less what the run's earlier generations counted."""
+        if offload is None:
+            return None
+        totals = {k: offload[k] for k in OFFLOAD_COUNTERS if k in offload}
+        fresh = {k: v - self.counted.get(k, 0.0) for k, v in totals.items()}
+        self.counted = totals
+        return offload | fresh
+
+
+class Engine:
+    """Owns the runtime and the worker thread, which decodes up to `max_batch` jobs at once."""
+
+    def __init__(self, loader: Callable[[], Runtime], *, metrics: Metrics | None = None,
+                 max_batch: int = RUNTIME.max_batch) -> None:  # fmt: skip
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, not {max_batch}")
         self._loader = loader
+        self.max_batch = max_batch
         self.metrics = metrics or Metrics()
         self.runtime: Runtime | None = None
         self.state = "loading"  # "ready", "failed", "stopping"
@@ -106,8 +154,15 @@ class Engine:
         self._lock = threading.Lock()
         self._live: set[Job] = set()  # submitted, not yet ended
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._pending: deque[Job] = deque()  # taken from the queue, not yet in the batch
+        self._batch: list[Stream] = []  # in the decoder, not yet done (tags: `Running`)
+        self._watch = BatchWatch(self.metrics)
         self._thread = threading.Thread(target=self._main, name="oled-engine", daemon=True)
-        self.metrics.watch(ready=lambda: self.state == "ready", queue_depth=self._jobs.qsize)
+        self.metrics.watch(
+            ready=lambda: self.state == "ready",
+            queue_depth=lambda: self._jobs.qsize() + len(self._pending),
+            batch_size=lambda: len(self._batch),
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -159,53 +214,145 @@ class Engine:
     # worker thread ------------------------------------------------------------------------
 
     def _main(self) -> None:
+        if not self._load():
+            return
+        dec: BatchDecoder | None = None
+        while self._receive(wait=not (self._batch or self._pending)):
+            dec = self._admit(dec)
+            if self._batch:
+                dec = self._step(dec)
+        self.close()  # told to stop: nothing is left waiting
+
+    def _load(self) -> bool:
         t0 = time.perf_counter()
         try:
             self.runtime = self._loader()
         except Exception as err:  # noqa: BLE001 - reported through /health
             log.exception("loading the model failed")
             self._set_state("failed", f"loading the model failed: {err}")
-            return
+            return False
         self.metrics.load_seconds.set(time.perf_counter() - t0)
         self._set_state("ready")
-        while (job := self._jobs.get()) is not None:
-            self._serve(job)
+        return True
 
-    def _serve(self, job: Job) -> None:
-        if job.cancel.is_set():
-            self.metrics.generations.labels(finish_reason="cancelled").inc()
-            self._end(job, Done("cancelled", len(job.prompt_ids), 0, {}))
-            return
+    def _receive(self, wait: bool) -> bool:
+        """Move the queued jobs to `_pending`, blocking for one when `wait`; False once `stop`
+        was called."""
         try:
-            done = self._generate(job)
+            job = self._jobs.get() if wait else self._jobs.get_nowait()
+            while job is not None:
+                self._pending.append(job)
+                job = self._jobs.get_nowait()
+        except queue.Empty:
+            return True
+        return False
+
+    def _admit(self, dec: BatchDecoder | None) -> BatchDecoder | None:
+        """Move pending jobs into the batch in order while it has room; one of another block
+        length than the batch's waits for the batch to drain, then gets a decoder of its own."""
+        while self._pending and len(self._batch) < self.max_batch:
+            job = self._pending[0]
+            if job.cancel.is_set():
+                self._cancelled(self._pending.popleft())
+                continue
+            length = job.decode.block_length
+            if dec is None or (dec.block_length != length and not self._batch):
+                dec = self._decoder(length)
+            if dec.block_length != length:
+                break
+            self._add(dec, self._pending.popleft())
+        return dec
+
+    def _decoder(self, block_length: int) -> BatchDecoder:
+        assert self.runtime is not None
+        dec = self.runtime.batch_decoder(self.max_batch, block_length=block_length)
+        self._watch = BatchWatch(self.metrics)
+        dec.observers.append(self._watch)
+        return dec
+
+    def _add(self, dec: BatchDecoder, job: Job) -> None:
+        """Queue the job in the decoder (it joins at the next step); a job it refuses fails."""
+        assert self.runtime is not None
+        run = Running(job, TextAssembler(self.runtime.tokenizer, job.stops))
+        try:
+            stream = dec.add(job.prompt_ids, job.decode, cancelled=job.cancel.is_set, tag=run)
+        except ValueError as err:
+            self._fail(job, Failed(str(err), status=400, code="invalid_value"))
         except Exception as err:  # noqa: BLE001 - sent to the client as an error event
             log.exception("generation failed")
-            self.metrics.generations.labels(finish_reason="error").inc()
-            self._end(job, Failed(f"generation failed: {type(err).__name__}: {err}"))
+            self._fail(job, failure(err))
+        else:
+            self._batch.append(stream)
+
+    def _step(self, dec: BatchDecoder) -> BatchDecoder | None:
+        """One forward over the batch, then each finished block's text and each finished
+        generation's `Done`. A failure fails every job of the batch and drops the decoder."""
+        try:
+            events = dec.step()
+        except Exception as err:  # noqa: BLE001 - sent to every client of the batch
+            log.exception("generation failed")
+            for stream in self._batch:
+                self._fail(stream.tag.job, failure(err))
+            self._batch = []
+            return None
+        blocks = {ev.stream: ev.block for ev in events}
+        for stream in self._batch:
+            self._settle(stream, blocks.get(stream))
+        self._batch = [s for s in self._batch if not s.done]
+        return dec
+
+    def _settle(self, stream: Stream, block: BlockInfo | None) -> None:
+        """A stream after a step: the text of the block it finished, its end if it ended."""
+        run: Running = stream.tag
+        try:
+            if block is not None and run.job in self._live:
+                if piece := run.text.add(block.new_tokens):
+                    run.job.emit(Piece(piece))
+                if run.text.stopped:  # a stop string: this job only ends (the batch drops it)
+                    run.job.cancel.set()
+            if stream.done or run.text.stopped:
+                self._finish(stream)
+        except Exception as err:  # noqa: BLE001 - sent to the client as an error event
+            log.exception("generation failed")
+            run.job.cancel.set()
+            self._fail(run.job, failure(err))
+
+    def _finish(self, stream: Stream) -> None:
+        """The job's last text and its `Done`, once, counted in the metrics."""
+        run: Running = stream.tag
+        job = run.job
+        if job not in self._live:
             return
+        if stream.stats.iterations == 0:  # cancelled before its first forward
+            self._cancelled(job)
+            return
+        if tail := run.text.flush():
+            job.emit(Piece(tail))
+        stats = {k: v for k, v in stream.stats.to_dict().items() if k != "iteration_ms"}
+        stats["offload"] = offload_stats(self.runtime)
+        finish = "stop" if run.text.stopped else stream.stats.stopped
+        done = Done(finish, len(job.prompt_ids), run.text.token_count(), stats)
         self.metrics.record_generation(
-            done.stats, finish=done.finish_reason, prompt_tokens=done.prompt_tokens,
-            completion_tokens=done.completion_tokens, seconds=time.perf_counter() - job.submitted,
+            stats | {"offload": self._watch.uncounted(stats["offload"])}, finish=finish,
+            prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+            seconds=time.perf_counter() - job.submitted,
         )  # fmt: skip
         self._end(job, done)
 
-    def _generate(self, job: Job) -> Done:
-        rt = self.runtime
-        assert rt is not None
-        text = TextAssembler(rt.tokenizer, job.stops)
-        blocks = rt.stream(job.prompt_ids, decode=job.decode, cancelled=job.cancel.is_set)
-        with contextlib.closing(blocks):
-            for block in blocks:
-                piece = text.add(block.new_tokens)
-                if piece:
-                    job.emit(Piece(piece))
-                if text.stopped:
-                    break
-        if tail := text.flush():
-            job.emit(Piece(tail))
-        stats = stats_dict(rt)
-        finish = "stop" if text.stopped else rt.last_stats.stopped
-        return Done(finish, len(job.prompt_ids), text.token_count(), stats)
+    def _cancelled(self, job: Job) -> None:
+        """A job whose client left before its generation began."""
+        if job in self._live:
+            self.metrics.generations.labels(finish_reason="cancelled").inc()
+        self._end(job, Done("cancelled", len(job.prompt_ids), 0, {}))
+
+    def _fail(self, job: Job, failed: Failed) -> None:
+        if job in self._live:
+            self.metrics.generations.labels(finish_reason="error").inc()
+        self._end(job, failed)
+
+
+def failure(err: Exception) -> Failed:
+    return Failed(f"generation failed: {type(err).__name__}: {err}")
 
 
 class TextAssembler:

@@ -16,6 +16,7 @@ from prometheus_client import (
 )
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 OFFLOAD_COUNTERS = {
     "hits": "Expert lookups found in the GPU slot cache",
     "misses": "Expert lookups not in the GPU slot cache",
@@ -57,9 +58,17 @@ class Metrics:
             registry=r,
         )
         self.forwards = Counter(
-            "oled_forwards", "Model forwards (denoising iterations)", registry=r
+            "oled_forwards",
+            "Denoising iterations of finished generations (a batched forward counts once for "
+            "each generation in it; oled_batch_size_count counts forwards)",
+            registry=r,
         )
-        self.decode_seconds = Counter("oled_decode_seconds", "Seconds spent decoding", registry=r)
+        self.decode_seconds = Counter(
+            "oled_decode_seconds",
+            "Seconds spent decoding finished generations (a batched forward counts for each "
+            "generation in it)",
+            registry=r,
+        )
         self.disconnects = Counter(
             "oled_client_disconnects",
             "Requests whose client went away before the generation ended",
@@ -71,6 +80,12 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.batch_size = Histogram(
+            "oled_batch_size",
+            "Generations decoded together, per model forward",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         self.load_seconds = Gauge(
             "oled_model_load_seconds", "Seconds the model took to load", registry=r
         )
@@ -78,8 +93,10 @@ class Metrics:
         self._offload: dict[str, Counter] = {}
         self._hit_rate: Gauge | None = None
 
-    def watch(self, *, ready: Callable[[], bool], queue_depth: Callable[[], int]) -> None:
-        """Gauges read when scraped: whether the model is ready, requests waiting."""
+    def watch(self, *, ready: Callable[[], bool], queue_depth: Callable[[], int],
+              batch_size: Callable[[], int]) -> None:  # fmt: skip
+        """Gauges read when scraped: whether the model is ready, requests waiting, requests
+        being decoded."""
         Gauge(
             "oled_model_ready",
             "1 once the model is loaded and serving, else 0",
@@ -88,6 +105,9 @@ class Metrics:
         Gauge(
             "oled_queue_depth", "Requests waiting for the decoding worker", registry=self.registry
         ).set_function(queue_depth)
+        Gauge(
+            "oled_batch_requests", "Requests being decoded together", registry=self.registry
+        ).set_function(batch_size)
 
     def record_generation(
         self,

@@ -56,7 +56,8 @@ def read_stream(url: str, lines: list[str]) -> None:
 
 def test_sigterm_ends_every_open_stream_well_formed(tiny_dir, tmp_path, start_cli, until):
     log = tmp_path / "serve.log"
-    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", MODEL]
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", MODEL,
+            "--max-batch", "1"]  # fmt: skip
     with start_cli(log, *args) as (url, proc):
         streams: list[list[str]] = [[] for _ in range(STREAMS)]
         threads = [threading.Thread(target=read_stream, args=(url, s)) for s in streams]
@@ -82,8 +83,9 @@ def test_sigterm_ends_every_open_stream_well_formed(tiny_dir, tmp_path, start_cl
 
 def test_stopping_the_server_answers_every_open_request(tiny_dir, loader, start_server, until):
     """A stream being decoded ends with an error event (the openai client raises it, not a
-    connection error); a request waiting in the queue gets a 503 in OpenAI's shape."""
-    app = create_app(Engine(loader(tiny_dir)), model_name=MODEL)
+    connection error); a request waiting in the queue (one at a time) gets a 503 in OpenAI's
+    shape."""
+    app = create_app(Engine(loader(tiny_dir), max_batch=1), model_name=MODEL)
     raised: list[BaseException] = []
     answers: list[httpx.Response] = []
 

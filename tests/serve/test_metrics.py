@@ -17,6 +17,7 @@ FAMILIES = {
     "oled_forwards": "counter", "oled_decode_seconds": "counter",
     "oled_client_disconnects": "counter", "oled_request_latency_seconds": "histogram",
     "oled_model_load_seconds": "gauge", "oled_model_ready": "gauge", "oled_queue_depth": "gauge",
+    "oled_batch_size": "histogram", "oled_batch_requests": "gauge",
 }  # fmt: skip
 
 

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from oled.decoding.batch import BatchDecoder
 from oled.serve.app import create_app
 from oled.serve.engine import Engine
 
@@ -74,15 +75,17 @@ def test_client_disconnect_cancels_generation(http, until):
     assert quick.status_code == 200
 
 
-def test_failure_mid_stream_is_an_sse_error(engine, client, http, monkeypatch):
-    real = engine.runtime.stream
+def test_failure_mid_stream_is_an_sse_error(client, http, monkeypatch):
+    real, blocks = BatchDecoder.step, []
 
-    def broken(*args, **kwargs):
-        blocks = real(*args, **kwargs)
-        yield next(blocks)
-        raise RuntimeError("device lost")
+    def broken(self):
+        if blocks:  # the step after the first finished block
+            raise RuntimeError("device lost")
+        events = real(self)
+        blocks.extend(ev.block for ev in events if ev.block is not None)
+        return events
 
-    monkeypatch.setattr(engine.runtime, "stream", broken)
+    monkeypatch.setattr(BatchDecoder, "step", broken)
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=40, stream=True,
         extra_body={"block_length": 4},
@@ -90,7 +93,7 @@ def test_failure_mid_stream_is_an_sse_error(engine, client, http, monkeypatch):
     with pytest.raises(openai.APIError, match="device lost"):
         for _ in stream:
             pass
-    monkeypatch.setattr(engine.runtime, "stream", real)
+    monkeypatch.undo()
     assert http.get("/health").status_code == 200
     assert metric(http, 'oled_generations_total{finish_reason="error"}') >= 1
 
