@@ -156,6 +156,22 @@ class BatchDecoder:
             still = torch.stack([s.seq[0, s.start : s.end] == self.mask_id for s in self.active])
             open_ = still.any(dim=1).tolist()  # the step's one host sync
         seconds = time.perf_counter() - t0
+        for s in self.active:
+            s.stats.iterations += 1
+            s.stats.seconds += seconds
+            s.stats.iteration_ms.append(1000 * seconds)
+        if self.observers:  # what they see (nobody else needs it: a batch of copies saved)
+            self._observed(commits, ran, seconds)
+        self.forwards += 1
+        for s, masked, more in zip(list(self.active), still, open_, strict=True):
+            if more:
+                s.masked, s.iteration = masked, s.iteration + 1
+            else:
+                events.append(self._finish_block(s))
+        return events
+
+    def _observed(self, commits: list, ran: list[int], seconds: float) -> None:
+        """Every stream's iteration to the observers, as one batched iteration."""
         infos = [
             IterationInfo(
                 block=s.block,
@@ -172,20 +188,9 @@ class BatchDecoder:
             )  # fmt: skip
             for s, (commit, conf, lg), n in zip(self.active, commits, ran, strict=True)
         ]
-        for s in self.active:
-            s.stats.iterations += 1
-            s.stats.seconds += seconds
-            s.stats.iteration_ms.append(1000 * seconds)
         self._emit(
             "on_batch_iteration", BatchIterationInfo(self.forwards, self.blocks_begun, infos)
         )
-        self.forwards += 1
-        for s, masked, more in zip(list(self.active), still, open_, strict=True):
-            if more:
-                s.masked, s.iteration = masked, s.iteration + 1
-            else:
-                events.append(self._finish_block(s))
-        return events
 
     def _admit(self) -> list[StreamEvent]:
         """Waiting streams into free slots (cancelled ones end here: their events)."""

@@ -153,14 +153,14 @@ class BatchRows:
             pads[1] += [*range(start, start + n), *[start] * (t_max - n)]
             row += n
 
-        def dev(values: list[int], *shape: int) -> Tensor:
-            return torch.tensor(values, dtype=torch.long).view(*shape).to(device)
-
+        parts = [*flat, *pads, ends, slots]
+        host = torch.tensor([v for part in parts for v in part], dtype=torch.long)
+        flat_dev = host.to(device).split([len(part) for part in parts])  # one copy for all
         nb = len(slots)
         return cls(
-            positions=dev(flat[0], -1), row_slots=dev(flat[1], -1), unpad=dev(flat[2], -1),
-            logit_rows=dev(flat[3], -1), queries=dev(pads[0], nb, t_max),
-            query_pos=dev(pads[1], nb, t_max), key_len=dev(ends, -1), slots=dev(slots, -1),
+            positions=flat_dev[0], row_slots=flat_dev[1], unpad=flat_dev[2],
+            logit_rows=flat_dev[3], queries=flat_dev[4].view(nb, t_max),
+            query_pos=flat_dev[5].view(nb, t_max), key_len=flat_dev[6], slots=flat_dev[7],
             keys=keys, spans=tuple(zip(slots, starts, lengths, strict=True)) if exact else None,
         )  # fmt: skip
 
