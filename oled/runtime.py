@@ -501,8 +501,10 @@ def offload_stats(rt: Runtime) -> dict[str, float] | None:
     return {k: float(summary[k]) for k in OFFLOAD_KEYS if k in summary}
 
 
-def stats_dict(rt: Runtime) -> dict[str, Any]:
-    """The last generation's figures without per-iteration lists (for reports and the API)."""
-    out = {k: v for k, v in rt.last_stats.to_dict().items() if k != "iteration_ms"}
+def stats_dict(rt: Runtime, stats: GenerationStats | None = None) -> dict[str, Any]:
+    """A generation's figures (the last one's by default) without per-iteration lists, with
+    the offload engine's (for reports and the API)."""
+    stats = stats if stats is not None else rt.last_stats
+    out = {k: v for k, v in stats.to_dict().items() if k != "iteration_ms"}
     out["offload"] = offload_stats(rt)
     return out

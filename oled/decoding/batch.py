@@ -44,7 +44,6 @@ class Stream:
     tag: Any  # the caller's handle
     seq: Tensor  # [1, S] int64: prompt, answer so far, mask ids
     first: int  # the first block's start
-    n_blocks: int
     stats: GenerationStats
     gen: torch.Generator | None
     slot: int = -1  # its KV slot while active
@@ -124,14 +123,14 @@ class BatchDecoder:
             )
         if not cfg.use_cache:
             raise ValueError("batched decoding keeps each sequence's prefix: use_cache must be on")
-        first, n_blocks, total = layout(len(prompt), cfg, self.model.config.max_position_embeddings)
+        first, _, total = layout(len(prompt), cfg, self.model.config.max_position_embeddings)
         gen = None
         if cfg.temperature:
             gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         stream = Stream(
             prompt=list(prompt), cfg=cfg, cancelled=cancelled, tag=tag,
             seq=masked_sequence(prompt, total, self.mask_id, self.device), first=first,
-            n_blocks=n_blocks, stats=GenerationStats(prompt_tokens=len(prompt)), gen=gen,
+            stats=GenerationStats(prompt_tokens=len(prompt)), gen=gen,
         )  # fmt: skip
         self.waiting.append(stream)
         return stream
@@ -150,9 +149,8 @@ class BatchDecoder:
         logits = self._forward()  # [B * L, V]: each stream's block rows, in order
         bl = self.block_length
         with stage("decode step"):
-            commits = [
-                self._commit(s, logits[i * bl : (i + 1) * bl]) for i, s in enumerate(self.active)
-            ]
+            blocks = logits.split(bl)  # per stream [L, V]
+            commits = [self._commit(s, lg) for s, lg in zip(self.active, blocks, strict=True)]
             still = torch.stack([s.seq[0, s.start : s.end] == self.mask_id for s in self.active])
             open_ = still.any(dim=1).tolist()  # the step's one host sync
         seconds = time.perf_counter() - t0
@@ -161,7 +159,7 @@ class BatchDecoder:
             s.stats.seconds += seconds
             s.stats.iteration_ms.append(1000 * seconds)
         if self.observers:  # what they see (nobody else needs it: a batch of copies saved)
-            self._observed(commits, ran, seconds)
+            self._observed(commits, blocks, ran, seconds)
         self.forwards += 1
         for s, masked, more in zip(list(self.active), still, open_, strict=True):
             if more:
@@ -170,7 +168,7 @@ class BatchDecoder:
                 events.append(self._finish_block(s))
         return events
 
-    def _observed(self, commits: list, ran: list[int], seconds: float) -> None:
+    def _observed(self, commits: list, blocks: tuple, ran: list[int], seconds: float) -> None:
         """Every stream's iteration to the observers, as one batched iteration."""
         infos = [
             IterationInfo(
@@ -186,7 +184,7 @@ class BatchDecoder:
                 seconds=seconds,
                 logits=lg,
             )  # fmt: skip
-            for s, (commit, conf, lg), n in zip(self.active, commits, ran, strict=True)
+            for s, (commit, conf), lg, n in zip(self.active, commits, blocks, ran, strict=True)
         ]
         self._emit(
             "on_batch_iteration", BatchIterationInfo(self.forwards, self.blocks_begun, infos)
@@ -250,14 +248,14 @@ class BatchDecoder:
         keys = max(64, 1 << (needed - 1).bit_length())
         return min(keys, self.cache.max_len)
 
-    def _commit(self, s: Stream, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _commit(self, s: Stream, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Commit stream `s`'s tokens from its block's logits [L, V] as BlockDecoder does:
-        (committed [L] bool, confidence [L], logits)."""
+        (committed [L] bool, confidence [L])."""
         conf, tokens = _confidence(logits, s.cfg.temperature, s.gen)  # [L], [L]
         commit = _commit(conf, s.masked, s.cfg, s.iteration)  # [L] bool
         block = s.seq[0, s.start : s.end]
         block.copy_(torch.where(commit, tokens, block))
-        return commit, conf, logits
+        return commit, conf
 
     def _finish_block(self, s: Stream) -> StreamEvent:
         """Stream `s`'s block has no mask left: its answer tokens, then its next block or

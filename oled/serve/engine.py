@@ -30,7 +30,7 @@ from oled.decoding import BlockInfo, DecodeConfig, DecodeObserver
 from oled.decoding.batch import BatchDecoder, Stream
 from oled.decoding.observers import BatchIterationInfo
 from oled.recipe.schema import RUNTIME
-from oled.runtime import Runtime, offload_stats
+from oled.runtime import Runtime, stats_dict
 from oled.serve.metrics import OFFLOAD_COUNTERS, Metrics
 
 log = logging.getLogger("oled.serve")
@@ -328,8 +328,7 @@ class Engine:
             return
         if tail := run.text.flush():
             job.emit(Piece(tail))
-        stats = {k: v for k, v in stream.stats.to_dict().items() if k != "iteration_ms"}
-        stats["offload"] = offload_stats(self.runtime)
+        stats = stats_dict(self.runtime, stream.stats)
         finish = "stop" if run.text.stopped else stream.stats.stopped
         done = Done(finish, len(job.prompt_ids), run.text.token_count(), stats)
         self.metrics.record_generation(
