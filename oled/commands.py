@@ -27,6 +27,7 @@ from oled.options import (
     StepsOpt,
     TemperatureOpt,
     ThresholdOpt,
+    TransferOpt,
     at_least,
     command_spec,
     err_console,
@@ -45,6 +46,7 @@ def generate(
     cache_size: CacheOpt = None,
     graphs: GraphsOpt = None,
     kernels: KernelsOpt = None,
+    transfer: TransferOpt = None,
     max_tokens: MaxTokensOpt = None,
     block_length: BlockOpt = None,
     threshold: ThresholdOpt = None,
@@ -63,7 +65,7 @@ def generate(
         )
     check_text(prompt, "the prompt")
     spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
-                        graphs=graphs, kernels=kernels, block_length=block_length,
+                        graphs=graphs, kernels=kernels, transfer=transfer, block_length=block_length,
                         threshold=threshold, steps=steps, max_tokens=max_tokens, temperature=temperature,
                         seed=seed, use_cache=False if no_cache else None)  # fmt: skip
     rt = load(spec, progress=True)
@@ -97,6 +99,7 @@ def serve(
     cache_size: CacheOpt = None,
     graphs: GraphsOpt = None,
     kernels: KernelsOpt = None,
+    transfer: TransferOpt = None,
     block_length: BlockOpt = None,
     threshold: ThresholdOpt = None,
     steps: StepsOpt = None,
@@ -132,7 +135,7 @@ def serve(
 
     at_least(1, max_tokens=max_tokens)
     spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
-                        graphs=graphs, kernels=kernels, block_length=block_length,
+                        graphs=graphs, kernels=kernels, transfer=transfer, block_length=block_length,
                         threshold=threshold, steps=steps, max_tokens=default_max_tokens,
                         max_tokens_flag="--default-max-tokens", max_batch=max_batch)  # fmt: skip
     run_server(spec, host=host, port=port, model_name=served_model_name or served_name(spec),
@@ -148,6 +151,7 @@ def chat(
     cache_size: CacheOpt = None,
     graphs: GraphsOpt = None,
     kernels: KernelsOpt = None,
+    transfer: TransferOpt = None,
     block_length: BlockOpt = None,
     threshold: ThresholdOpt = None,
     steps: StepsOpt = None,
@@ -163,7 +167,7 @@ def chat(
     if system is not None:
         check_text(system, "--system")
     spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
-                        graphs=graphs, kernels=kernels, block_length=block_length,
+                        graphs=graphs, kernels=kernels, transfer=transfer, block_length=block_length,
                         threshold=threshold, steps=steps, max_tokens=max_tokens, temperature=temperature,
                         seed=seed)  # fmt: skip
     rt = load(spec)
@@ -210,6 +214,7 @@ def bench(
     cache_size: CacheOpt = None,
     graphs: GraphsOpt = None,
     kernels: KernelsOpt = None,
+    transfer: TransferOpt = None,
     gen_length: Annotated[int, typer.Option(help="Tokens generated per run.")] = 256,
     block_length: BlockOpt = None,
     threshold: ThresholdOpt = None,
@@ -276,7 +281,7 @@ def bench(
     cfg = b.BenchConfig(gen_length=gen_length, prompt_length=prompt_length,
                         warmup_runs=warmup_runs, runs=runs, seed=seed, profile=profile)  # fmt: skip
     flags = dict(device=device, dtype=dtype, cache_size=cache_size, graphs=graphs,
-                 kernels=kernels, block_length=block_length, threshold=threshold, steps=steps)  # fmt: skip
+                 kernels=kernels, transfer=transfer, block_length=block_length, threshold=threshold, steps=steps)  # fmt: skip
     paths = [*(recipes or []), *([recipe] if recipe else [])]
     if prompts is not None and routing is None and not paths:
         raise ValueError("--prompts selects traced prompts: give --routing trace:PATH")
@@ -326,12 +331,22 @@ def _bench_streams(cfg, specs, counts: list[int], report_dir: Path | None) -> No
 def _row_specs(paths: list[Path], model: str | None, cache_size: int | None,
                flags: dict) -> list[tuple[str, Any]]:  # fmt: skip
     """Each recipe with the flags over it, labelled by its stem; without recipes, one row of
-    the model, labelled by its name (and cache size)."""
+    the model, labelled by its name (and cache size); an encoded transfer is named."""
     if paths:
-        return [(p.stem, command_spec(p, model, **flags)) for p in paths]
-    spec = command_spec(None, model, **flags)
-    name = spec.model.name
-    return [(name if cache_size is None else f"{name} cache={cache_size}", spec)]
+        specs = [(p.stem, command_spec(p, model, **flags)) for p in paths]
+    else:
+        spec = command_spec(None, model, **flags)
+        name = spec.model.name
+        specs = [(name if cache_size is None else f"{name} cache={cache_size}", spec)]
+    return [(label + transfer_label(spec), spec) for label, spec in specs]
+
+
+def transfer_label(spec: Any) -> str:
+    """A row label's mark of an encoded transfer: " lossless", " fp8 (lossy)", or none."""
+    from oled.model.codec import describe
+
+    transfer = spec.runtime.transfer
+    return "" if transfer == "plain" else f" {describe(transfer)}"
 
 
 def with_routing(spec: Any, routing: str | None, prompts: str | None) -> Any:

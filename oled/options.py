@@ -97,6 +97,15 @@ KernelsOpt = Annotated[
         f"torch: plain torch kernels (default: the recipe's, else {RUNTIME.kernels}).",
     ),
 ]
+TransferOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--transfer",
+        help="How misses cross the link: plain (bf16 rows), lossless (encoded, the same tokens, "
+        "about 68% of the bytes) or fp8 (lossy: about half the bytes, other tokens) (default: "
+        f"the recipe's, else {RUNTIME.transfer}).",
+    ),
+]
 
 
 def runtime_flags(
@@ -114,6 +123,7 @@ def runtime_flags(
     seed: int | None = None,
     use_cache: bool | None = None,
     max_batch: int | None = None,
+    transfer: str | None = None,
     max_tokens_flag: str = "--max-tokens",
 ) -> dict[str, tuple[str, Any]]:
     """The runtime and decoding flags as recipe keys: `{dotted key: (flag, value or None)}`
@@ -133,6 +143,7 @@ def runtime_flags(
         "decoding.seed": ("--seed", seed),
         "decoding.use_cache": ("--no-cache", use_cache),
         "runtime.max_batch": ("--max-batch", max_batch),
+        "runtime.transfer": ("--transfer", transfer),
     }
 
 

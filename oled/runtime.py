@@ -25,10 +25,12 @@ from oled.decoding.batch import BatchDecoder
 from oled.decoding.follow import Trajectory
 from oled.decoding.replay import RoutingReplay, special_ids
 from oled.model.checkpoint import Checkpoint, load_checkpoint
+from oled.model.codec import check_codec
 from oled.model.experts import ResidentExperts
 from oled.model.graphs import EagerForward, GraphedForward
 from oled.model.presets import PRESETS, init_checkpoint
 from oled.offload.budget import KV_TOKENS, Budget
+from oled.offload.encoded import LANDING, EncodedCopies
 from oled.offload.engine import OffloadEngine
 from oled.offload.predict import NextLayerRouting
 from oled.paths import cache_home
@@ -323,10 +325,12 @@ class Runtime:
 
 def check(recipe: Recipe) -> None:
     """Fail now, before any weight loads, on a spec that cannot run here: a device torch does
-    not see, kernels that cannot run on it, a model without a readable config."""
+    not see, kernels that cannot run on it, a transfer its dtype cannot take, a model without
+    a readable config."""
     from oled.model.config import ModelConfig
 
     fused_kernels.check(recipe.runtime.kernels, pick_device(recipe.runtime.device))
+    check_codec(recipe.runtime.transfer, pick_dtype(recipe.runtime.dtype))
     ModelConfig.from_json(resolve_model(recipe.model.path))
 
 
@@ -340,7 +344,7 @@ def build(recipe: Recipe, *, progress: bool = False) -> Runtime:
         budget=Budget(*rt.budget.choice()), cost=rt.cost, cpu_threads=rt.cpu_threads,
         stage_capacity=rt.stage_capacity, prefetch=rt.prefetch, decode=recipe.decoding.config(),
         progress=progress, graphs=rt.cuda_graphs, kernels=rt.kernels, planner=rt.planner,
-        **policies,
+        transfer=rt.transfer, **policies,
     )  # fmt: skip
 
 
@@ -364,6 +368,7 @@ def build_runtime(
     kernels: str = RUNTIME.kernels,
     planner: str = RUNTIME.planner,
     driver: bool | None = None,
+    transfer: str = RUNTIME.transfer,
 ) -> Runtime:
     """Load a model under a GPU budget with the given policies (missing ones get OLED's).
 
@@ -375,7 +380,9 @@ def build_runtime(
     (oled.offload.predict). `planner` "auto" plans compiled where it can (oled.policies.native),
     "compiled" insists on it, "python" keeps the Python planner: the same decisions either way.
     `driver` launches graphed layer calls from C where possible (None), insists (True) or never
-    does (False; oled.offload.driver): the same tokens either way.
+    does (False; oled.offload.driver): the same tokens either way. `transfer` says how misses
+    cross the link (oled.model.codec): "plain" bf16 rows, "lossless" encoded rows (the same
+    tokens, fewer bytes) or "fp8" (lossy: about half the bytes, other tokens).
     """
     from oled.model.config import ModelConfig
     from oled.offload.budget import total_slots
@@ -383,6 +390,7 @@ def build_runtime(
     if cpu_threads:
         torch.set_num_threads(cpu_threads)
     dev, torch_dtype = pick_device(device), pick_dtype(dtype)
+    check_codec(transfer, torch_dtype)
     fused_kernels.check(kernels, dev)
     fused_kernels.use(kernels)  # the cost calibration below already times these kernels
     path = resolve_model(model)
@@ -390,7 +398,7 @@ def build_runtime(
     budget = budget or Budget()
     slots = total_slots(
         budget, cfg, dtype=torch_dtype, device=dev, kv_tokens=kv_tokens,
-        stage_capacity=stage_capacity,
+        stage_capacity=stage_capacity + (LANDING if transfer != "plain" else 0),  # + landing
     )  # fmt: skip
     ckpt = load_checkpoint(
         path,
@@ -410,7 +418,7 @@ def build_runtime(
     engine = make_engine(ckpt, dev, make_planner(
         ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost, prefetch,
         planner,
-    ), driver)  # fmt: skip
+    ), driver, transfer, progress)  # fmt: skip
     return Runtime(
         checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine],
         graphs=graphs, kernels=kernels, costs=costs,
@@ -418,15 +426,21 @@ def build_runtime(
 
 
 def make_engine(
-    ckpt: Checkpoint, dev: torch.device, planner: Planner, driver: bool | None = None
+    ckpt: Checkpoint,
+    dev: torch.device,
+    planner: Planner,
+    driver: bool | None = None,
+    transfer: str | EncodedCopies = "plain",
+    progress: bool = False,
 ) -> OffloadEngine:
     """The offload engine over the checkpoint's experts, with the next layer's routing
-    predicted from the model's routers when the planner prefetches; `driver`: see
-    OffloadEngine."""
+    predicted from the model's routers when the planner prefetches; `driver`, `transfer`:
+    see OffloadEngine."""
     predict = NextLayerRouting(ckpt.model) if planner.prefetch_limit else None
     return OffloadEngine(
-        store=ckpt.experts, device=dev, planner=planner, predict=predict, driver=driver
-    )
+        store=ckpt.experts, device=dev, planner=planner, predict=predict, driver=driver,
+        transfer=transfer, progress=progress,
+    )  # fmt: skip
 
 
 PLANNER_MODES = {"auto": None, "compiled": True, "python": False}

@@ -371,3 +371,14 @@ def test_the_shipped_study_replays_a_shipped_trace() -> None:
     assert recipe.tune is not None and recipe.tune.objective == "simulate"
     trace = beside(recipe.tune.trace, recipe.folder)
     assert trace.is_file() and trace.is_relative_to(ROOT / "recipes")
+
+
+def test_transfer_is_checked_and_named(recipe_file: Path) -> None:
+    from oled.commands import transfer_label
+
+    assert "transfer" in _error(recipe_file, ["runtime.transfer=zip"])
+    recipe = load_recipe(recipe_file, ["runtime.transfer=fp8"])
+    assert recipe.runtime.transfer == "fp8" and transfer_label(recipe) == " fp8 (lossy)"
+    plain = load_recipe(recipe_file)
+    assert transfer_label(plain) == "" and plain.hash() != recipe.hash()
+    assert plain.hash() == load_recipe(recipe_file, ["runtime.transfer=plain"]).hash()

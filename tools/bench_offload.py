@@ -40,10 +40,12 @@ from oled.bench import (  # noqa: E402
 from oled.decoding import DecodeConfig  # noqa: E402
 from oled.kernels import use as use_kernels  # noqa: E402
 from oled.model.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
+from oled.model.codec import describe  # noqa: E402
 from oled.model.experts import ResidentExperts  # noqa: E402
 from oled.model.presets import init_checkpoint  # noqa: E402
 from oled.offload.budget import Budget, total_slots  # noqa: E402
 from oled.offload.copies import use_batches  # noqa: E402
+from oled.offload.encoded import EncodedCopies  # noqa: E402
 from oled.policies import ANCHORS, anchor_policies  # noqa: E402
 from oled.policies import allocation as A  # noqa: E402
 from oled.policies import compensation as C  # noqa: E402
@@ -85,6 +87,7 @@ class Combo(NamedTuple):
     planner: str
     batched: bool
     driver: bool | None
+    transfer: str
 
 
 @dataclass
@@ -101,6 +104,18 @@ class Bench:
     work: TraceWorkload | None
     rows: list[dict] = field(default_factory=list)
     report: Path | None = None
+    encoded: dict[str, EncodedCopies] = field(default_factory=dict)  # per transfer, made once
+
+    def transfer(self, name: str) -> str | EncodedCopies:
+        """The encoded experts of transfer `name` (encoded on first use), or "plain"."""
+        if name == "plain":
+            return name
+        if name not in self.encoded:
+            t0 = time.perf_counter()
+            self.encoded[name] = e = EncodedCopies(self.ckpt.experts, name, self.dev)
+            print(f"encoded ({describe(name)}) in {time.perf_counter() - t0:.1f} s: "
+                  f"{e.ratio:.4f} of the bytes", flush=True)  # fmt: skip
+        return self.encoded[name]
 
     def measure(self, rt: Runtime, label: str, graphs: bool) -> None:
         """Time one row: replay the workload, or generate (following the resident tokens)."""
@@ -203,6 +218,11 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="comma-separated layer launches per row: auto (from C where possible), python",
     )
+    ap.add_argument(
+        "--transfers",
+        default="plain",
+        help="comma-separated per row: how misses cross the link: plain, lossless, fp8 (lossy)",
+    )
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--cost", default="calibrate", help="cost model: calibrate or a profile")
     ap.add_argument("--trace", default=None, help="record the resident run's routing here")
@@ -275,10 +295,11 @@ def combos(args: argparse.Namespace, kernel_modes: list[str]) -> list[Combo]:
     ahead = [int(n) for n in args.prefetch.split(",")]
     planners, launches = args.planner.split(","), args.copies.split(",")
     drivers = [None if d == "auto" else False for d in args.driver.split(",")]
+    transfers = args.transfers.split(",")
     return [
-        Combo(n, g, k, a, pl, c == "batched", d)
+        Combo(n, g, k, a, pl, c == "batched", d, t)
         for n in names for g in graph_modes for k in kernel_modes for a in ahead for pl in planners
-        for c in launches for d in drivers
+        for c in launches for d in drivers for t in transfers
     ]  # fmt: skip
 
 
@@ -302,7 +323,7 @@ def offloaded_row(
         ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], args.cost,
         c.prefetch, c.planner,
     )  # fmt: skip
-    engine = make_engine(ckpt, dev, planner, c.driver)
+    engine = make_engine(ckpt, dev, planner, c.driver, bench.transfer(c.transfer))
     recorded = bool(c.prefetch) and oracle is not None
     observers = [engine]
     if recorded:
@@ -331,6 +352,7 @@ def row_label(c: Combo, frac: float, recorded: bool, compiled: bool, engine: Off
     label += "" if compiled else " python-planner"
     label += "" if c.batched else " copies-each"
     label += " python-launch" if c.graphs and engine.cuda and engine.driver is None else ""
+    label += "" if c.transfer == "plain" else f" {describe(c.transfer)}"
     return label
 
 

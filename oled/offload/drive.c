@@ -61,6 +61,15 @@ typedef struct {
     void **srcs, **dsts;        /* [2 E] batched copy arguments */
     size_t *sizes, failed, attr_index;
     int64_t error;              /* the runtime's error code of a failed call */
+    /* Encoded copies (oled.offload.encoded; decode_exec NULL: plain rows): the rows land in the
+     * landing tables, land_rows at a time, and the decoder graph decodes them into their
+     * destination rows (plain13/plain2 bytes each) on the copy stream, the rows listed in a
+     * descriptor sent from the pinned ring desc_host ([desc_cap, desc_stride] int64; *desc_used
+     * taken, shared with the Python path) to desc_dev. Offsets are from land13. */
+    void *decode_exec;
+    int64_t land13, land2, land_rows, plain13, plain2;
+    int64_t *desc_host, desc_dev, desc_stride, desc_cap;
+    int64_t *desc_used;
 } Drive;
 
 /* One (layer, tokens) key's static call: its pass graphs by slot-map row (0: not captured
@@ -102,41 +111,82 @@ static void log_pair(Drive *d, int64_t layer, int64_t kind, void *start, void *e
     row[3] = (int64_t)(intptr_t)end;
 }
 
-/* Copy experts e[i] of the layer's sources into rows s[i] of the tables (d13, d2); timed on
- * the copy stream; *done: the event they complete. */
-static int64_t copies(Drive *d, int64_t layer, const int64_t *e, const int64_t *s, int64_t n,
-                      int64_t d13, int64_t d2, void **done) {
-    void *begin;
-    if (record(d, d->copy, &begin)) return -2;
-    int64_t s13 = d->src13[layer], s2 = d->src2[layer], z13 = d->size13, z2 = d->size2;
-    if (d->memcpy_batch && d->batch_min && n >= d->batch_min) {
-        for (int64_t i = 0; i < n; i++) { /* [2n]: the w13 rows, then the w2 rows */
-            d->srcs[i] = (void *)(intptr_t)(s13 + e[i] * z13);
-            d->dsts[i] = (void *)(intptr_t)(d13 + s[i] * z13);
-            d->sizes[i] = (size_t)z13;
-            d->srcs[n + i] = (void *)(intptr_t)(s2 + e[i] * z2);
-            d->dsts[n + i] = (void *)(intptr_t)(d2 + s[i] * z2);
-            d->sizes[n + i] = (size_t)z2;
-        }
-        size_t count = (size_t)(2 * n);
+/* Issue the n copies d->srcs[i] -> d->dsts[i] of d->sizes[i] bytes on the copy stream: one
+ * batched call, or one call each (the w13 rows, then the w2 rows). */
+static int64_t issue(Drive *d, int64_t n) {
+    if (d->memcpy_batch && d->batch_min && n >= 2 * d->batch_min) {
+        size_t count = (size_t)n;
         if (d->batch_abi == 12)
             CHECK(((batch12_fn)d->memcpy_batch)(d->dsts, d->srcs, d->sizes, count, d->batch_attrs,
                                                 &d->attr_index, 1, &d->failed, d->copy));
         else
             CHECK(((batch13_fn)d->memcpy_batch)(d->dsts, d->srcs, d->sizes, count, d->batch_attrs,
                                                 &d->attr_index, 1, d->copy));
+        return 0;
+    }
+    for (int64_t i = 0; i < n; i++)
+        CHECK(d->memcpy_async(d->dsts[i], d->srcs[i], d->sizes[i], H2D, d->copy));
+    return 0;
+}
+
+/* Fill the copy arguments of experts e[i] -> rows r[i] (or row i when r is NULL) of the tables
+ * (d13, d2) with rows of (p13, p2) bytes: [2n], the w13 rows, then the w2 rows. */
+static void fill_rows(Drive *d, int64_t layer, const int64_t *e, const int64_t *r, int64_t n,
+                 int64_t d13, int64_t d2, int64_t p13, int64_t p2) {
+    int64_t s13 = d->src13[layer], s2 = d->src2[layer], z13 = d->size13, z2 = d->size2;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t at = r ? r[i] : i;
+        d->srcs[i] = (void *)(intptr_t)(s13 + e[i] * z13);
+        d->dsts[i] = (void *)(intptr_t)(d13 + at * p13);
+        d->sizes[i] = (size_t)z13;
+        d->srcs[n + i] = (void *)(intptr_t)(s2 + e[i] * z2);
+        d->dsts[n + i] = (void *)(intptr_t)(d2 + at * p2);
+        d->sizes[n + i] = (size_t)z2;
+    }
+}
+
+/* The decoder's descriptor of n landed experts -> rows s[i] of (d13, d2), sent to the device
+ * and decoded there, on the copy stream. */
+static int64_t decode(Drive *d, const int64_t *s, int64_t n, int64_t d13, int64_t d2) {
+    int64_t *q = d->desc_host + (*d->desc_used)++ * d->desc_stride, base = d->land13;
+    q[0] = 2 * n;
+    for (int64_t i = 0; i < n; i++) {
+        q[1 + 2 * i] = d->land13 + i * d->size13 - base;
+        q[2 + 2 * i] = d13 + s[i] * d->plain13 - base;
+        q[1 + 2 * (n + i)] = d->land2 + i * d->size2 - base;
+        q[2 + 2 * (n + i)] = d2 + s[i] * d->plain2 - base;
+    }
+    CHECK(d->memcpy_async((void *)(intptr_t)d->desc_dev, q, (size_t)(8 * (1 + 4 * n)), H2D,
+                          d->copy));
+    CHECK(d->launch(d->decode_exec, d->copy));
+    return 0;
+}
+
+/* Copy experts e[i] of the layer's sources into rows s[i] of the tables (d13, d2); timed on
+ * the copy stream; *done: the event they complete. Encoded rows go through the landing tables
+ * in rounds, each decoded before the next lands. */
+static int64_t copies(Drive *d, int64_t layer, const int64_t *e, const int64_t *s, int64_t n,
+                      int64_t d13, int64_t d2, void **done) {
+    void *begin;
+    if (record(d, d->copy, &begin)) return -2;
+    if (!d->decode_exec) {
+        fill_rows(d, layer, e, s, n, d13, d2, d->size13, d->size2);
+        if (issue(d, 2 * n)) return -2;
     } else {
-        for (int64_t i = 0; i < n; i++)
-            CHECK(d->memcpy_async((void *)(intptr_t)(d13 + s[i] * z13),
-                                  (void *)(intptr_t)(s13 + e[i] * z13), (size_t)z13, H2D,
-                                  d->copy));
-        for (int64_t i = 0; i < n; i++)
-            CHECK(d->memcpy_async((void *)(intptr_t)(d2 + s[i] * z2),
-                                  (void *)(intptr_t)(s2 + e[i] * z2), (size_t)z2, H2D, d->copy));
+        for (int64_t lo = 0; lo < n; lo += d->land_rows) {
+            int64_t k = n - lo < d->land_rows ? n - lo : d->land_rows;
+            fill_rows(d, layer, e + lo, NULL, k, d->land13, d->land2, d->size13, d->size2);
+            if (issue(d, 2 * k) || decode(d, s + lo, k, d13, d2)) return -2;
+        }
     }
     if (record(d, d->copy, done)) return -2;
     log_pair(d, layer, LOG_COPY, begin, *done);
     return 0;
+}
+
+/* Descriptor rounds that copying n experts takes (0 for plain rows). */
+static int64_t rounds_of(const Drive *d, int64_t n) {
+    return d->decode_exec ? (n + d->land_rows - 1) / d->land_rows : 0;
 }
 
 /* The compute stream waits for `copied`, timed as the layer's stall. */
@@ -150,13 +200,18 @@ static int64_t wait(Drive *d, int64_t layer, void *copied) {
 }
 
 /* Whether the call can launch: a graph for every pass and room for its events and log rows. */
-static int ready(const Drive *d, const Call *c, int64_t rows, int64_t n_copy, int64_t n_cpu) {
+static int ready(const Drive *d, const Call *c, int64_t rows, int64_t n_copy, int64_t n_stage,
+                 int64_t n_cpu) {
     if (rows < MAP_STAGED || rows > c->n_execs) return 0; /* no slot maps written, or too many */
     for (int64_t r = 0; r < rows; r++)
         if (!c->execs[r] && (r != MAP_COPIED || n_copy)) return 0;
     if (n_cpu && !c->x_host) return 0;
     int64_t rounds = rows - MAP_STAGED;
     int64_t events = 4 + 5 * rounds + 1, logs = 2 + 2 * rounds;
+    int64_t descs = rounds_of(d, n_copy);
+    for (int64_t lo = 0; lo < n_stage; lo += d->stage_capacity)
+        descs += rounds_of(d, n_stage - lo < d->stage_capacity ? n_stage - lo : d->stage_capacity);
+    if (descs && *d->desc_used + descs > d->desc_cap) return 0;
     return d->used + events <= d->n_events && d->logged + logs <= d->log_cap;
 }
 
@@ -220,7 +275,7 @@ int64_t oled_layer(Drive *d, const Call *c, int64_t layer, int64_t step, int64_t
     int64_t n_copy = h[OUT_COPY_E + 1] - h[OUT_COPY_E];
     int64_t n_stage = h[OUT_STAGE_E + 1] - h[OUT_STAGE_E];
     int64_t n_cpu = h[OUT_CPU_E + 1] - h[OUT_CPU_E];
-    if (!ready(d, c, rows, n_copy, n_cpu)) return 0;
+    if (!ready(d, c, rows, n_copy, n_stage, n_cpu)) return 0;
     d->cpu_ready = NULL;
     rc = launch(d, c, layer, rows, n_copy, n_stage, n_cpu);
     if (rc != 1) return rc;
@@ -267,6 +322,9 @@ static const ContractRow DRIVE_FIELDS[] = {
     FIELD(Drive, log), FIELD(Drive, log_cap), FIELD(Drive, logged), FIELD(Drive, stage_free),
     FIELD(Drive, cpu_ready), FIELD(Drive, counts), FIELD(Drive, srcs), FIELD(Drive, dsts),
     FIELD(Drive, sizes), FIELD(Drive, failed), FIELD(Drive, attr_index), FIELD(Drive, error),
+    FIELD(Drive, decode_exec), FIELD(Drive, land13), FIELD(Drive, land2), FIELD(Drive, land_rows),
+    FIELD(Drive, plain13), FIELD(Drive, plain2), FIELD(Drive, desc_host), FIELD(Drive, desc_dev),
+    FIELD(Drive, desc_stride), FIELD(Drive, desc_cap), FIELD(Drive, desc_used),
 };
 static const ContractRow CALL_FIELDS[] = {
     FIELD(Call, execs), FIELD(Call, n_execs), FIELD(Call, ids_host), FIELD(Call, w_host),

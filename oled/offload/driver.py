@@ -61,6 +61,9 @@ class Drive(ctypes.Structure):
         ("logged", _i), ("stage_free", _p), ("cpu_ready", _p), ("counts", _p),
         ("srcs", _p), ("dsts", _p), ("sizes", _p), ("failed", ctypes.c_size_t),
         ("attr_index", ctypes.c_size_t), ("error", _i),
+        ("decode_exec", _p), ("land13", _i), ("land2", _i), ("land_rows", _i), ("plain13", _i),
+        ("plain2", _i), ("desc_host", _p), ("desc_dev", _i), ("desc_stride", _i),
+        ("desc_cap", _i), ("desc_used", _p),
     ]  # fmt: skip
 
 
@@ -171,6 +174,8 @@ class LayerDriver:
             log=self.log.ctypes.data, log_cap=len(self.log), counts=self.counts.ctypes.data,
             srcs=ctypes.addressof(self.batch_args[0]), dsts=ctypes.addressof(self.batch_args[1]),
             sizes=ctypes.addressof(self.batch_sizes),
+            plain13=e.cache_rows[0].size[0], plain2=e.cache_rows[0].size[1],
+            **(e.encoded.drive_fields() if e.encoded is not None else {}),
         )  # fmt: skip
 
     def use_batches(self, on: bool) -> None:

@@ -39,6 +39,7 @@ from oled.model.model import MoERequest
 from oled.model.stages import annotating, stage
 from oled.offload.copies import Rows, launch, transfer
 from oled.offload.driver import COUNTS, LayerDriver, unavailable
+from oled.offload.encoded import EncodedCopies
 from oled.offload.launches import Launcher, launch_inputs, launch_passes, timed_copies
 from oled.offload.metrics import EngineMetrics
 from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, StepContext
@@ -56,13 +57,25 @@ class OffloadEngine(DecodeObserver):
         planner: Planner,
         predict: Callable[[int, Tensor], Tensor | np.ndarray] | None = None,
         driver: bool | None = None,
+        transfer: str | EncodedCopies = "plain",
+        progress: bool = False,
     ) -> None:
         """`predict(layer, x)`: the next MoE layer's likely ids [T, K] from layer's router input
         x [T, H] (oled.offload.predict: NextLayerRouting, or RecordedRouting on the host);
         used when the planner prefetches. `driver`: launch static layer calls from C
         (oled.offload.driver) where possible (None), always (True: an error where it cannot),
-        or never (False)."""
+        or never (False). `transfer`: how misses cross the link (oled.model.codec: "plain"
+        bf16 rows, "lossless" encoded rows, "fp8" lossy), encoded when the engine is built
+        (under a progress bar when `progress`), or ones already encoded for this store."""
         self.store, self.device, self.planner = store, device, planner
+        self.transfer = transfer if isinstance(transfer, str) else transfer.codec
+        self.encoded = (
+            transfer if isinstance(transfer, EncodedCopies)
+            else None if transfer == "plain"
+            else EncodedCopies(store, transfer, device, progress)
+        )  # fmt: skip
+        # the bytes one expert's copy moves over the link
+        self.expert_bytes = self.encoded.expert_bytes if self.encoded else store.expert_bytes
         self.predict = predict if planner.prefetch_limit else None
         self.cuda = device.type == "cuda"
         self.num_experts = store.num_experts
@@ -74,7 +87,10 @@ class OffloadEngine(DecodeObserver):
         self.stage_w13, self.stage_w2 = self._table(stage, 0, dtype), self._table(stage, 1, dtype)
         # views and addresses per expert / slot, made once (the hot path copies by row): each
         # layer's expert sources on the host and its cache tables, and the stage's tables
-        self.src_rows = [Rows.of(a, b) for a, b in zip(store.w13, store.w2, strict=True)]
+        self.src_rows = (
+            self.encoded.rows if self.encoded
+            else [Rows.of(a, b) for a, b in zip(store.w13, store.w2, strict=True)]
+        )  # fmt: skip
         self.cache_rows = [Rows.of(a, b) for a, b in zip(self.w13, self.w2, strict=True)]
         self.stage_rows = Rows.of(self.stage_w13, self.stage_w2)
         layers = store.num_layers
@@ -325,13 +341,16 @@ class OffloadEngine(DecodeObserver):
             return
         self._ahead[layer] = timed_copies(rt, layer, experts, slots, stage=False)
         n = len(experts)
-        self.metrics.add(layer, copies=n, copy_bytes=n * self.store.expert_bytes, predicted=n)
+        self.metrics.add(layer, copies=n, copy_bytes=n * self.expert_bytes, predicted=n)
 
     def _launch_copies(self, layer: int, experts, slots, rows: Rows) -> None:
         """One copy per tensor of each expert, host (pinned) -> slot rows of `rows` (a w13
         table and its w2 table), on the copy stream (oled.offload.copies)."""
         with stage("copies"):
-            launch(self.src_rows[layer], rows, experts, slots, self.copy_stream)
+            if self.encoded is not None:
+                self.encoded.launch(layer, experts, slots, rows, self.copy_stream)
+            else:
+                launch(self.src_rows[layer], rows, experts, slots, self.copy_stream)
 
     def _cpu_job(self, layer, x_host, ids_np, w_np, plan, copied) -> CpuJob | None:
         """This layer's CPU experts over activations `x_host` [T, H]: on their way to pinned host
@@ -384,7 +403,7 @@ class OffloadEngine(DecodeObserver):
             hits=len(plan.hits),
             misses=len(plan.misses),
             copies=n_copy,
-            copy_bytes=n_copy * self.store.expert_bytes,
+            copy_bytes=n_copy * self.expert_bytes,
             staged=len(plan.stage_experts),
             cpu_experts=len(plan.cpu_experts),
             cpu_tokens=int(plan.cpu_tokens.sum()),
@@ -424,7 +443,7 @@ class OffloadEngine(DecodeObserver):
         self._collect_events()
         if self.driver is not None:  # the counts of the calls launched from C
             counts = dict(zip(COUNTS, self.driver.take_counts().T, strict=True))
-            counts["copy_bytes"] = counts["copies"] * self.store.expert_bytes
+            counts["copy_bytes"] = counts["copies"] * self.expert_bytes
             self.metrics.add_layers(counts)
         self.metrics.end_iteration()
 
@@ -463,6 +482,8 @@ class OffloadEngine(DecodeObserver):
         self._events.clear()
         self._stage_free = None  # both streams are idle: the stage is free
         self._ahead = [None] * len(self._ahead)
+        if self.encoded is not None:
+            self.encoded.reset()
         self._timing.recycle()
 
 

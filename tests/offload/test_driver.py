@@ -315,6 +315,69 @@ def test_batched_copies_carry_the_same_rows():
     assert [(c[1], c[2]) for c in copies[:n]] == want
 
 
+LAND13, LAND2, LAND_ROWS, DESC_DEV, DECODER = 11 * 10**9, 12 * 10**9, 2, 13 * 10**9, 999
+P13, P2 = 1600, 800  # bf16 bytes of a row; the encoded rows are Z13, Z2
+
+
+def test_encoded_copies_land_in_rounds_and_are_decoded_into_their_slots():
+    """With a decoder (oled.offload.encoded): each round of LAND_ROWS experts is copied into
+    the landing rows, its descriptor sent from the ring and the decoder graph launched, all on
+    the copy stream; the descriptor maps every landed row to its slot; the ring is counted."""
+    p, d, call, rt, (*_, routing) = setup(C.TransferOnly())
+    ring = np.zeros((32, 1 + 4 * LAND_ROWS), np.int64)
+    used = np.zeros(1, np.int64)
+    d.decode_exec, d.land13, d.land2, d.land_rows = DECODER, LAND13, LAND2, LAND_ROWS
+    d.plain13, d.plain2 = P13, P2
+    d.desc_host, d.desc_dev, d.desc_stride, d.desc_cap = (
+        ring.ctypes.data,
+        DESC_DEV,
+        ring.shape[1],
+        32,
+    )
+    d.desc_used = used.ctypes.data
+    ids = np.arange(T * K).reshape(T, K) % E  # misses everywhere: copies needed
+    assert run(p, d, call, routing, 0, ids, np.ones((T, K), np.float32)) == 1
+    plan = p.native.unpack(0)
+    experts, slots = plan.copy_experts, plan.copy_slots
+    rounds = -(-len(experts) // LAND_ROWS)
+    assert rounds > 1 and used[0] == rounds + sum(
+        -(-min(STAGE_CAPACITY, len(plan.stage_experts) - lo) // LAND_ROWS)
+        for lo in range(0, len(plan.stage_experts), STAGE_CAPACITY)
+    )
+    first = [c for c in rt.calls if c[0] == "graph" and c[1] == DECODER]
+    assert len(first) == used[0] and all(c[2] == COPY for c in first)
+    for r in range(rounds):
+        part, into = experts[2 * r : 2 * r + 2], slots[2 * r : 2 * r + 2]
+        k = len(part)
+        q = ring[r]
+        assert q[0] == 2 * k
+        landed = [LAND13 + i * Z13 - LAND13 for i in range(k)] + [
+            LAND2 + i * Z2 - LAND13 for i in range(k)
+        ]
+        dest = [CACHE13 + s * P13 - LAND13 for s in into] + [CACHE2 + s * P2 - LAND13 for s in into]
+        assert q[1 : 1 + 4 * k : 2].tolist() == landed and q[2 : 2 + 4 * k : 2].tolist() == dest
+    copies = [c for c in rt.calls if c[0] == "copy" and c[5] == COPY]
+    assert copies[0][1:3] == (LAND13, SRC13 + experts[0] * Z13)  # landing row 0
+    sent = [c for c in copies if c[1] == DESC_DEV]
+    assert [c[2] for c in sent[:rounds]] == [ring[r].ctypes.data for r in range(rounds)]
+
+
+def test_encoded_copies_decline_when_the_ring_is_full():
+    p, d, call, rt, (*_, routing) = setup(C.TransferOnly())
+    ring, used = np.zeros((1, 1 + 4 * LAND_ROWS), np.int64), np.ones(1, np.int64)
+    d.decode_exec, d.land13, d.land2, d.land_rows = DECODER, LAND13, LAND2, LAND_ROWS
+    d.desc_host, d.desc_dev, d.desc_stride, d.desc_cap = (
+        ring.ctypes.data,
+        DESC_DEV,
+        ring.shape[1],
+        1,
+    )
+    d.desc_used = used.ctypes.data
+    ids = np.arange(T * K).reshape(T, K) % E
+    assert run(p, d, call, routing, 0, ids, np.ones((T, K), np.float32)) == 0
+    assert rt.calls == [] and used[0] == 1
+
+
 def _swapped(struct: type[ctypes.Structure], i: int, j: int) -> type[ctypes.Structure]:
     """A ctypes mirror of `struct` with fields i and j swapped."""
     fields = list(struct._fields_)

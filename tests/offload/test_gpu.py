@@ -203,3 +203,26 @@ def test_runtime_copies_move_the_right_rows(batched):
     transfer(again, back, stream)  # and back
     stream.synchronize()
     assert torch.equal(back, src[0][[2, 5, 0]]) and torch.equal(again, dst[0])
+
+
+@pytest.mark.parametrize("transfer", ["lossless", "fp8"])
+@pytest.mark.parametrize("budget", [0.25, 0.125])
+def test_encoded_transfers_on_the_device(tiny_dir, reference, transfer, budget):
+    """Misses copied encoded and decoded on the device, layer calls launched from C: the
+    resident tokens bit for bit when lossless; fp8 runs and moves fewer bytes still."""
+
+    def run(name):
+        rt = build_runtime(
+            model=str(tiny_dir), device="cuda", dtype="bfloat16", cost="h200",
+            budget=Budget("expert_fraction", budget), retention=R.LRURetention(),
+            compensation=C.TransferOnly(), stage_capacity=2, transfer=name,
+        )  # fmt: skip
+        return rt, tokens(rt), rt.stats()
+
+    plain, plain_tokens, a = run("plain")
+    rt, got, b = run(transfer)
+    assert plain_tokens == reference
+    if transfer == "lossless":
+        assert got == reference
+    assert b["copies"] > 0 and b["copy_bytes"] < a["copy_bytes"]
+    assert rt.executor.driver is not None and rt.executor.driver.launched > 0

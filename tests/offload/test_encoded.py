@@ -1,0 +1,145 @@
+"""Encoded expert rows (oled.model.codec, oled.offload.encoded): the lossless codec round-trips
+every bf16 bit pattern, the GPU decoder (here under the Triton interpreter) matches the torch
+reference, and a runtime whose misses travel encoded gives the resident tokens (lossless) or
+says it is lossy (fp8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oled import kernels
+from oled.model import codec
+from oled.offload.budget import Budget
+from oled.policies import compensation as C
+from oled.policies import retention as R
+from oled.runtime import build_runtime, load_runtime
+
+PROMPTS = ["What is the capital of France?", "Once upon a time there was a small robot"]
+
+
+def weights(*shape: int, seed: int = 0, std: float = 0.02) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * std).bfloat16()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def test_lossless_round_trips_every_bit_pattern():
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)  # all 65536
+    table = every.view(torch.bfloat16).view(2, 256, 128)  # inf, nan, subnormals, -0 included
+    enc = codec.encode(table, "lossless")
+    assert torch.equal(bits(codec.decode(enc.rows, 256 * 128)), bits(table.reshape(2, -1)))
+
+
+@pytest.mark.parametrize("shape", [(3, 64, 96), (5, 40, 24), (2, 512, 128)])
+def test_lossless_moves_under_70_percent_of_normal_weights(shape):
+    table = weights(*shape)
+    enc = codec.encode(table, "lossless", group=2)  # groups with their own layouts
+    n = table[0].numel()
+    assert torch.equal(bits(codec.decode(enc.rows, n)), bits(table.reshape(shape[0], -1)))
+    if n >= 8 * codec.CHUNK:  # the header and chunk table weigh on tiny rows only
+        assert enc.rows.shape[1] / (2 * n) < 0.70
+
+
+def test_rows_of_different_layouts_decode_together():
+    a, b = weights(2, 64, 64, seed=1), weights(2, 64, 64, seed=2, std=3.0)
+    rows_a, rows_b = codec.encode(a, "lossless").rows, codec.encode(b, "lossless").rows
+    width = max(rows_a.shape[1], rows_b.shape[1])
+    rows = torch.zeros(4, width, dtype=torch.uint8)
+    rows[:2, : rows_a.shape[1]], rows[2:, : rows_b.shape[1]] = rows_a, rows_b
+    expect = torch.cat([a.reshape(2, -1), b.reshape(2, -1)])
+    assert torch.equal(bits(codec.decode(rows, 64 * 64)), bits(expect))
+
+
+def test_fp8_is_close_and_refuses_non_finite_weights():
+    table = weights(3, 32, 48)
+    enc = codec.encode(table, "fp8")
+    assert enc.rows.shape[1] / (2 * 32 * 48) < 0.6
+    back = codec.decode(enc.rows, 32 * 48).view(table.shape).float()
+    rel = (back - table.float()).norm() / table.float().norm()
+    assert 0 < rel < 0.05  # e4m3 keeps 3 mantissa bits: lossy, but close
+    table[0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="inf or nan"):
+        codec.encode(table, "fp8")
+
+
+def test_check_codec_names_the_choices_and_the_dtype():
+    with pytest.raises(ValueError, match="plain, lossless, fp8"):
+        codec.check_codec("zstd", torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        codec.check_codec("lossless", torch.float32)
+    assert codec.describe("fp8") == "fp8 (lossy)" and codec.describe("lossless") == "lossless"
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs triton (its interpreter here)")
+@pytest.mark.parametrize("name", ["lossless", "fp8"])
+def test_the_gpu_decoder_matches_the_reference(name):
+    if not kernels.interpreting() and not torch.cuda.is_available():
+        pytest.skip("triton needs CUDA outside its interpreter")
+    from oled.kernels.codec import decode_listed, describe_rows
+
+    dev = "cuda" if not kernels.interpreting() else "cpu"
+    w13, w2 = weights(3, 64, 96, seed=3).to(dev), weights(3, 96, 32, seed=4).to(dev)
+    rows13, rows2 = codec.encode(w13, name).rows, codec.encode(w2, name).rows
+    landing = torch.zeros(2, 6, max(rows13.shape[1], rows2.shape[1]), dtype=torch.uint8, device=dev)
+    landing[0, :3, : rows13.shape[1]], landing[1, :3, : rows2.shape[1]] = rows13, rows2
+    out13 = torch.zeros(4, 64 * 96, dtype=torch.bfloat16, device=dev)
+    out2 = torch.zeros(4, 96 * 32, dtype=torch.bfloat16, device=dev)
+    order = [2, 0, 3]  # decoded into other rows than they landed in
+    sources = [landing[0, i] for i in range(3)] + [landing[1, i] for i in range(3)]
+    targets = [out13[j] for j in order] + [out2[j] for j in order]
+    desc = describe_rows(sources, targets, landing)
+    tag = codec.FP8 if name == "fp8" else codec.LOSSLESS
+    with kernels.serial():
+        decode_listed(tag, desc, landing, rows=8, chunks=-(-64 * 96 // codec.CHUNK))
+    assert torch.equal(bits(out13[order]), bits(codec.decode(rows13, 64 * 96)))
+    assert torch.equal(bits(out2[order]), bits(codec.decode(rows2, 96 * 32)))
+    assert not out13[1].any()  # a row nobody listed stays as it was
+
+
+def answers(rt) -> list[list[int]]:
+    return [rt.generate(p, max_new_tokens=24, threshold=0.6).token_ids for p in PROMPTS]
+
+
+def offloaded(tiny_dir, transfer: str, compensation=None):
+    return build_runtime(
+        model=str(tiny_dir), device="cpu", dtype="bfloat16", cost="cpu-ci",
+        budget=Budget("expert_fraction", 0.25), retention=R.LRURetention(),
+        compensation=compensation or C.TransferOnly(), stage_capacity=2, transfer=transfer,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def resident(tiny_dir):
+    return answers(load_runtime(str(tiny_dir), device="cpu", dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("compensation", [C.TransferOnly, C.MakespanCompensation])
+def test_lossless_transfers_give_the_resident_tokens_with_fewer_bytes(
+    tiny_dir, resident, compensation
+):
+    plain = offloaded(tiny_dir, "plain", compensation())
+    lossless = offloaded(tiny_dir, "lossless", compensation())
+    assert answers(lossless) == resident == answers(plain)
+    a, b = plain.stats(), lossless.stats()
+    assert a["copies"] == b["copies"] > 0
+    assert b["copy_bytes"] < a["copy_bytes"]
+    assert lossless.executor.encoded.ratio < 1
+
+
+def test_fp8_transfers_run_and_copy_about_half(tiny_dir, resident):
+    rt = offloaded(tiny_dir, "fp8")
+    got = answers(rt)
+    assert len(got) == len(resident) and all(got)
+    assert rt.executor.encoded.ratio < 0.6
+
+
+def test_a_transfer_needs_bfloat16_and_a_known_name(tiny_dir):
+    with pytest.raises(ValueError, match="bfloat16"):
+        build_runtime(model=str(tiny_dir), device="cpu", dtype="float32",
+                      budget=Budget("expert_fraction", 0.25), transfer="lossless")  # fmt: skip
+    with pytest.raises(ValueError, match="unknown transfer"):
+        build_runtime(model=str(tiny_dir), device="cpu", transfer="zip")
