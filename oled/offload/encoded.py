@@ -18,6 +18,8 @@ from them) and the encoded ones.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -161,6 +163,7 @@ def _encode_store(
     for layer in track(layers, f"sizing {what}", show=progress):
         for t, tables in enumerate((store.w13, store.w2)):
             sizes[t] = max(sizes[t], codec.encoded_size(tables[layer], codec_name, work, GROUP))
+    check_host_memory(store.num_layers * store.num_experts * sum(sizes), codec_name)
     out: tuple[list[Tensor], list[Tensor]] = ([], [])
     for layer in track(layers, f"encoding {what}", show=progress):
         for t, tables in enumerate((store.w13, store.w2)):
@@ -171,3 +174,16 @@ def _encode_store(
                 host[lo : lo + GROUP, : rows.shape[1]] = rows.cpu()
             out[t].append(host)
     return out
+
+
+def check_host_memory(need: int, codec_name: str, available: int | None = None) -> None:
+    """ValueError, before any encoded table is allocated, when host memory cannot hold the
+    encoded experts beside the bf16 ones (`available`: free bytes, the system's by default)."""
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if need > available:
+        raise ValueError(
+            f"transfer {codec_name!r} keeps the experts encoded in host memory as well: "
+            f"{need / 2**30:.1f} GiB needed, {available / 2**30:.1f} GiB free; "
+            'free memory or use transfer = "plain"'
+        )

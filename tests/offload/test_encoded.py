@@ -143,3 +143,11 @@ def test_a_transfer_needs_bfloat16_and_a_known_name(tiny_dir):
                       budget=Budget("expert_fraction", 0.25), transfer="lossless")  # fmt: skip
     with pytest.raises(ValueError, match="unknown transfer"):
         build_runtime(model=str(tiny_dir), device="cpu", transfer="zip")
+
+
+def test_too_little_host_memory_is_said_before_encoding():
+    from oled.offload.encoded import check_host_memory
+
+    check_host_memory(2**30, "lossless", available=2**31)
+    with pytest.raises(ValueError, match=r"4.0 GiB needed, 1.0 GiB free"):
+        check_host_memory(4 * 2**30, "lossless", available=2**30)
