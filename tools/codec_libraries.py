@@ -20,10 +20,9 @@ CUDA events on one stream (GPU) or perf_counter (CPU) over --reps runs after --w
     python tools/codec_libraries.py --random [--experts 16] [--json out.json]
     python tools/codec_libraries.py --model oled/data/default
 
-On the GPU machine (no network), with the wheels of .whl/codecs:
-
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/codecs/*.whl
-    PYTHONPATH=/tmp/site python3 tools/codec_libraries.py --random
+The libraries are not dependencies of the project: install them first (`pip install zipnn
+dfloat11 dahuffman nvidia-nvcomp-cu13`, or from wheels on a machine without network access:
+`pip install --no-index --no-deps --target DIR WHEELS` and `PYTHONPATH=DIR`).
 """
 
 from __future__ import annotations

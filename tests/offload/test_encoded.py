@@ -104,11 +104,12 @@ def answers(rt) -> list[list[int]]:
     return [rt.generate(p, max_new_tokens=24, threshold=0.6).token_ids for p in PROMPTS]
 
 
-def offloaded(tiny_dir, transfer: str, compensation=None):
+def offloaded(tiny_dir, transfer: str, compensation=None, **policies):
+    policies.setdefault("retention", R.LRURetention())
     return build_runtime(
         model=str(tiny_dir), device="cpu", dtype="bfloat16", cost="cpu-ci",
-        budget=Budget("expert_fraction", 0.25), retention=R.LRURetention(),
-        compensation=compensation or C.TransferOnly(), stage_capacity=2, transfer=transfer,
+        budget=Budget("expert_fraction", 0.25), compensation=compensation or C.TransferOnly(),
+        stage_capacity=2, transfer=transfer, **policies,
     )  # fmt: skip
 
 
@@ -128,6 +129,17 @@ def test_lossless_transfers_give_the_resident_tokens_with_fewer_bytes(
     assert a["copies"] == b["copies"] > 0
     assert b["copy_bytes"] < a["copy_bytes"]
     assert lossless.executor.encoded.ratio < 1
+
+
+def test_oleds_policies_with_lossless_copies_give_the_resident_tokens(tiny_dir, resident):
+    """OLED's own policies (adaptive allocation, confidence retention, CPU experts computed
+    from the bf16 host tables beside the encoded copies): the resident tokens."""
+    from oled.policies import allocation as A
+
+    rt = offloaded(tiny_dir, "lossless", C.CooperativeCompensation(),
+                   allocation=A.AdaptiveAllocation(), retention=R.ConfidenceRetention())  # fmt: skip
+    assert answers(rt) == resident
+    assert rt.stats()["copies"] > 0 and rt.stats()["cpu_experts"] > 0
 
 
 def test_fp8_transfers_run_and_copy_about_half(tiny_dir, resident):
