@@ -12,7 +12,6 @@ engine's copies, from Python or from C).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -110,11 +109,3 @@ def decode_listed(tag: int, desc: Tensor, base: Tensor, rows: int, chunks: int) 
     """Decode the rows `desc` lists (at most `rows`, each at most `chunks` chunks of CHUNK
     weights) with the decoder of header tag `tag`, on the current stream."""
     KERNELS[tag][(rows, chunks)](desc, base, BLOCK=CHUNK, num_warps=WARPS[tag])
-
-
-def describe_rows(sources: list[Tensor], targets: list[Tensor], base: Tensor) -> Tensor:
-    """The descriptor [1 + 2M] int64 of rows (encoded source, destination) from `base`."""
-    desc = [len(sources)]
-    for s, t in zip(sources, targets, strict=True):
-        desc += [s.data_ptr() - base.data_ptr(), t.data_ptr() - base.data_ptr()]
-    return torch.tensor(desc, dtype=torch.int64, device=base.device)

@@ -25,6 +25,7 @@ Row layout (byte offsets in the header; every row of a table has the same):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,28 +57,49 @@ def check_codec(codec: str, dtype: torch.dtype) -> None:
         raise ValueError(f"transfer {codec!r} encodes bfloat16 experts (this runtime: {dtype})")
 
 
-@dataclass(frozen=True)
-class Encoded:
-    """One table's encoded rows [E, R] uint8 and the decoded shape of a row."""
-
-    rows: Tensor
-    shape: tuple[int, ...]
-
-
-def encode(table: Tensor, codec: str, *, group: int = 8) -> Encoded:
+def encode(
+    table: Tensor, codec: str, *, counts: Tensor | None = None, size: int = 0, group: int = 8
+) -> Tensor:
     """Encode a table [E, *shape] bf16 on its device, `group` experts at a time (bounded
-    memory); rows [E, R] uint8 on the same device."""
+    memory): rows [E, R] uint8 on the same device, R at least `size`. `counts`: the table's
+    exponent counts [E, 256] (`exponent_counts`) when already known (lossless only)."""
     e, shape = table.shape[0], tuple(table.shape[1:])
     flat = table.reshape(e, -1)  # [E, n]
     if codec == "fp8":
-        return Encoded(_fp8_rows(flat, shape), shape)
+        return _fp8_rows(flat, shape, size)
     if codec != "lossless":
         raise ValueError(f"no encoding for transfer {codec!r}")
-    layout = _Layout.of(flat, group)
+    if counts is None:
+        counts = exponent_counts(table, table.device, group)
+    counts = counts.to(table.device)
+    layout = _Layout.of(flat.shape[1], counts, size)
     rows = torch.zeros(e, layout.size, dtype=torch.uint8, device=table.device)
     for lo in range(0, e, group):
-        rows[lo : lo + group] = layout.encode(flat[lo : lo + group])
-    return Encoded(rows, shape)
+        rows[lo : lo + group] = layout.encode(flat[lo : lo + group], counts[lo : lo + group])
+    return rows
+
+
+def exponent_counts(table: Tensor, device: torch.device, group: int = 8) -> Tensor:
+    """How often each exponent occurs in each expert of `table` [E, ...] bf16: [E, 256] int64
+    on `device`, counted there `group` experts at a time."""
+    e, n = table.shape[0], table[0].numel()
+    parts = [
+        _histogram(_fields(table[lo : lo + group].to(device).reshape(-1, n))[0])
+        for lo in range(0, e, group)
+    ]
+    return torch.cat(parts)
+
+
+def encoded_size(
+    shape: tuple[int, ...], codec: str, counts: Tensor | None = None, group: int = 8
+) -> int:
+    """Bytes of one encoded row of a table whose rows have `shape`: fixed for fp8; for
+    lossless from the table's exponent counts [E, 256], as `encode` lays out each `group` of
+    experts (the largest group's)."""
+    n = math.prod(shape)
+    if codec == "fp8":
+        return _fp8_layout(n, shape[-1])[2]
+    return max(_Layout.of(n, counts[lo : lo + group]).size for lo in range(0, len(counts), group))
 
 
 def decode(rows: Tensor, n: int) -> Tensor:
@@ -103,20 +125,6 @@ def _decode_alike(rows: Tensor, header: list[int], n: int) -> Tensor:
     raise ValueError(f"encoded rows with an unknown tag {header[0]}")
 
 
-def encoded_size(table: Tensor, codec: str, device: torch.device, group: int = 8) -> int:
-    """Bytes of one encoded row of `table` [E, ...] when encoded `group` experts at a time
-    (the largest group's), its groups moved to `device` to count."""
-    e, shape = table.shape[0], tuple(table.shape[1:])
-    n = table[0].numel()
-    if codec == "fp8":
-        return _fp8_layout(n, shape[-1])[2]
-    size = 0
-    for lo in range(0, e, group):
-        part = table[lo : lo + group].to(device).reshape(-1, n)
-        size = max(size, _Layout.of(part, group).size)
-    return size
-
-
 # -- lossless ------------------------------------------------------------------------------------
 
 
@@ -130,8 +138,9 @@ def _fields(flat: Tensor) -> tuple[Tensor, Tensor]:
 
 def _histogram(exponent: Tensor) -> Tensor:
     """[G, n] exponents -> [G, 256] counts."""
-    counts = torch.zeros(exponent.shape[0], 256, dtype=torch.long, device=exponent.device)
-    return counts.scatter_add_(1, exponent, torch.ones_like(exponent))
+    g = exponent.shape[0]
+    rows = torch.arange(g, device=exponent.device).unsqueeze(1) * 256  # [G, 1]
+    return torch.bincount((exponent + rows).flatten(), minlength=256 * g).view(g, 256)
 
 
 def _books(counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -154,31 +163,26 @@ class _Layout:
     size: int
 
     @classmethod
-    def of(cls, flat: Tensor, group: int) -> _Layout:
-        """Sized from the table's exponent histograms: room for its busiest row's second and
-        third levels."""
-        n = flat.shape[1]
-        most_secondary = most_escapes = 0
-        for lo in range(0, flat.shape[0], group):
-            counts = _histogram(_fields(flat[lo : lo + group])[0])  # [G, 256]
-            primary, secondary = _books(counts)
-            top3 = counts.gather(1, primary).sum(1)
-            top10 = top3 + counts.gather(1, secondary).sum(1)
-            most_secondary = max(most_secondary, int((n - top3).max()))
-            most_escapes = max(most_escapes, int((n - top10).max()))
+    def of(cls, n: int, counts: Tensor, size: int = 0) -> _Layout:
+        """Sized from the rows' exponent counts [G, 256]: room for the busiest row's second and
+        third levels; at least `size` bytes a row."""
+        primary, secondary = _books(counts)
+        top3 = counts.gather(1, primary).sum(1)
+        top10 = top3 + counts.gather(1, secondary).sum(1)
+        most_secondary, most_escapes = int((n - top3).max()), int((n - top10).max())
         # every section starts 16-byte aligned: the decoder reads them in 16-byte vectors
         primary = _align(HEADER + n, 16)
         chunks = _align(primary + -(-n // 4), 16)
         secondary = _align(chunks + 8 * -(-n // CHUNK), 16)
         escapes = _align(secondary + -(-3 * most_secondary // 8) + 2, 16)  # reads 2 bytes
-        size = _align(escapes + most_escapes, 16)
+        size = max(size, _align(escapes + most_escapes, 16))
         return cls(n, primary, chunks, secondary, escapes, size)
 
-    def encode(self, flat: Tensor) -> Tensor:
-        """bf16 [G, n] -> rows [G, size] uint8."""
+    def encode(self, flat: Tensor, counts: Tensor) -> Tensor:
+        """bf16 [G, n] with its exponent counts [G, 256] -> rows [G, size] uint8."""
         g, n, dev = flat.shape[0], self.n, flat.device
         exponent, sign_mantissa = _fields(flat)  # [G, n] each
-        primary_book, secondary_book = _books(_histogram(exponent))  # [G, 3], [G, 7]
+        primary_book, secondary_book = _books(counts)  # [G, 3], [G, 7]
         code = torch.full((g, 256), 3, dtype=torch.long, device=dev)
         code.scatter_(1, primary_book, torch.arange(3, device=dev).expand(g, 3))
         level2 = torch.full((g, 256), 7, dtype=torch.long, device=dev)
@@ -289,8 +293,9 @@ def _chunk_rank(used: Tensor) -> Tensor:
 # -- fp8 ------------------------------------------------------------------------------------------
 
 
-def _fp8_rows(flat: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """bf16 [E, n] with rows of shape[-1] weights per channel -> rows [E, R] uint8."""
+def _fp8_rows(flat: Tensor, shape: tuple[int, ...], size: int = 0) -> Tensor:
+    """bf16 [E, n] with rows of shape[-1] weights per channel -> rows [E, R] uint8, R at
+    least `size`."""
     e, n = flat.shape
     cols = shape[-1]
     channels = n // cols
@@ -300,8 +305,8 @@ def _fp8_rows(flat: Tensor, shape: tuple[int, ...]) -> Tensor:
     amax = x.abs().amax(-1)  # [E, channels]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    scales, data, size = _fp8_layout(n, cols)
-    rows = torch.zeros(e, size, dtype=torch.uint8, device=flat.device)
+    scales, data, need = _fp8_layout(n, cols)
+    rows = torch.zeros(e, max(size, need), dtype=torch.uint8, device=flat.device)
     header = torch.zeros(e, 16, dtype=torch.int32, device=flat.device)
     header[:, :5] = torch.tensor([FP8, n, cols, scales, data], dtype=torch.int32)
     rows[:, :HEADER] = header.view(torch.uint8)
@@ -331,6 +336,4 @@ def lossy_copy(table: Tensor, codec: str) -> Tensor:
     lossy codec's quality cost; the table itself for a lossless one)."""
     if codec == "plain":
         return table
-    encoded = encode(table, codec)
-    n = table[0].numel()
-    return decode(encoded.rows, n).view(table.shape)
+    return decode(encode(table, codec), table[0].numel()).view(table.shape)

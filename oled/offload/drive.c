@@ -130,17 +130,17 @@ static int64_t issue(Drive *d, int64_t n) {
 }
 
 /* Fill the copy arguments of experts e[i] -> rows r[i] (or row i when r is NULL) of the tables
- * (d13, d2) with rows of (p13, p2) bytes: [2n], the w13 rows, then the w2 rows. */
+ * (d13, d2), rows of the sources' sizes: [2n], the w13 rows, then the w2 rows. */
 static void fill_rows(Drive *d, int64_t layer, const int64_t *e, const int64_t *r, int64_t n,
-                 int64_t d13, int64_t d2, int64_t p13, int64_t p2) {
+                      int64_t d13, int64_t d2) {
     int64_t s13 = d->src13[layer], s2 = d->src2[layer], z13 = d->size13, z2 = d->size2;
     for (int64_t i = 0; i < n; i++) {
         int64_t at = r ? r[i] : i;
         d->srcs[i] = (void *)(intptr_t)(s13 + e[i] * z13);
-        d->dsts[i] = (void *)(intptr_t)(d13 + at * p13);
+        d->dsts[i] = (void *)(intptr_t)(d13 + at * z13);
         d->sizes[i] = (size_t)z13;
         d->srcs[n + i] = (void *)(intptr_t)(s2 + e[i] * z2);
-        d->dsts[n + i] = (void *)(intptr_t)(d2 + at * p2);
+        d->dsts[n + i] = (void *)(intptr_t)(d2 + at * z2);
         d->sizes[n + i] = (size_t)z2;
     }
 }
@@ -149,11 +149,11 @@ static void fill_rows(Drive *d, int64_t layer, const int64_t *e, const int64_t *
  * and decoded there, on the copy stream. */
 static int64_t decode(Drive *d, const int64_t *s, int64_t n, int64_t d13, int64_t d2) {
     int64_t *q = d->desc_host + (*d->desc_used)++ * d->desc_stride, base = d->land13;
-    q[0] = 2 * n;
+    q[0] = 2 * n; /* then (source, destination) offsets from land13: the w13 rows, the w2 rows */
     for (int64_t i = 0; i < n; i++) {
-        q[1 + 2 * i] = d->land13 + i * d->size13 - base;
+        q[1 + 2 * i] = i * d->size13;
         q[2 + 2 * i] = d13 + s[i] * d->plain13 - base;
-        q[1 + 2 * (n + i)] = d->land2 + i * d->size2 - base;
+        q[1 + 2 * (n + i)] = d->land2 - base + i * d->size2;
         q[2 + 2 * (n + i)] = d2 + s[i] * d->plain2 - base;
     }
     CHECK(d->memcpy_async((void *)(intptr_t)d->desc_dev, q, (size_t)(8 * (1 + 4 * n)), H2D,
@@ -170,12 +170,12 @@ static int64_t copies(Drive *d, int64_t layer, const int64_t *e, const int64_t *
     void *begin;
     if (record(d, d->copy, &begin)) return -2;
     if (!d->decode_exec) {
-        fill_rows(d, layer, e, s, n, d13, d2, d->size13, d->size2);
+        fill_rows(d, layer, e, s, n, d13, d2);
         if (issue(d, 2 * n)) return -2;
     } else {
         for (int64_t lo = 0; lo < n; lo += d->land_rows) {
             int64_t k = n - lo < d->land_rows ? n - lo : d->land_rows;
-            fill_rows(d, layer, e + lo, NULL, k, d->land13, d->land2, d->size13, d->size2);
+            fill_rows(d, layer, e + lo, NULL, k, d->land13, d->land2);
             if (issue(d, 2 * k) || decode(d, s + lo, k, d13, d2)) return -2;
         }
     }

@@ -158,20 +158,28 @@ def _encode_store(
     work = device if device.type == "cuda" else torch.device("cpu")
     pin = device.type == "cuda"
     what = f"experts ({codec.describe(codec_name)})"
-    layers = range(store.num_layers)
-    sizes = [0, 0]  # bytes per encoded row: w13, w2
-    for layer in track(layers, f"sizing {what}", show=progress):
-        for t, tables in enumerate((store.w13, store.w2)):
-            sizes[t] = max(sizes[t], codec.encoded_size(tables[layer], codec_name, work, GROUP))
+    layers, tables = range(store.num_layers), (store.w13, store.w2)
+    # the exponent counts [E, 256] of every layer's tables (lossless), counted once
+    counts = [[None, None] for _ in layers]
+    if codec_name == "lossless":
+        for layer in track(layers, f"counting {what}", show=progress):
+            for t in (0, 1):
+                counts[layer][t] = codec.exponent_counts(tables[t][layer], work, GROUP)
+    sizes = [  # bytes per encoded row, w13 and w2: one size across layers
+        max(codec.encoded_size(tables[t][0].shape[1:], codec_name, counts[layer][t], GROUP)
+            for layer in layers)
+        for t in (0, 1)
+    ]  # fmt: skip
     check_host_memory(store.num_layers * store.num_experts * sum(sizes), codec_name)
     out: tuple[list[Tensor], list[Tensor]] = ([], [])
     for layer in track(layers, f"encoding {what}", show=progress):
-        for t, tables in enumerate((store.w13, store.w2)):
+        for t in (0, 1):
             host = torch.zeros(store.num_experts, sizes[t], dtype=torch.uint8, pin_memory=pin)
             for lo in range(0, store.num_experts, GROUP):
-                part = tables[layer][lo : lo + GROUP].to(work, non_blocking=True)
-                rows = codec.encode(part, codec_name, group=GROUP).rows
-                host[lo : lo + GROUP, : rows.shape[1]] = rows.cpu()
+                part = tables[t][layer][lo : lo + GROUP].to(work, non_blocking=True)
+                known = None if counts[layer][t] is None else counts[layer][t][lo : lo + GROUP]
+                rows = codec.encode(part, codec_name, counts=known, size=sizes[t], group=GROUP)
+                host[lo : lo + GROUP].copy_(rows)  # straight into the pinned table
             out[t].append(host)
     return out
 

@@ -68,7 +68,6 @@ class OffloadEngine(DecodeObserver):
         bf16 rows, "lossless" encoded rows, "fp8" lossy), encoded when the engine is built
         (under a progress bar when `progress`), or ones already encoded for this store."""
         self.store, self.device, self.planner = store, device, planner
-        self.transfer = transfer if isinstance(transfer, str) else transfer.codec
         self.encoded = (
             transfer if isinstance(transfer, EncodedCopies)
             else None if transfer == "plain"

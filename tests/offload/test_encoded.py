@@ -30,23 +30,23 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def test_lossless_round_trips_every_bit_pattern():
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)  # all 65536
     table = every.view(torch.bfloat16).view(2, 256, 128)  # inf, nan, subnormals, -0 included
-    enc = codec.encode(table, "lossless")
-    assert torch.equal(bits(codec.decode(enc.rows, 256 * 128)), bits(table.reshape(2, -1)))
+    rows = codec.encode(table, "lossless")
+    assert torch.equal(bits(codec.decode(rows, 256 * 128)), bits(table.reshape(2, -1)))
 
 
 @pytest.mark.parametrize("shape", [(3, 64, 96), (5, 40, 24), (2, 512, 128)])
 def test_lossless_moves_under_70_percent_of_normal_weights(shape):
     table = weights(*shape)
-    enc = codec.encode(table, "lossless", group=2)  # groups with their own layouts
+    rows = codec.encode(table, "lossless", group=2)  # groups with their own layouts
     n = table[0].numel()
-    assert torch.equal(bits(codec.decode(enc.rows, n)), bits(table.reshape(shape[0], -1)))
+    assert torch.equal(bits(codec.decode(rows, n)), bits(table.reshape(shape[0], -1)))
     if n >= 8 * codec.CHUNK:  # the header and chunk table weigh on tiny rows only
-        assert enc.rows.shape[1] / (2 * n) < 0.70
+        assert rows.shape[1] / (2 * n) < 0.70
 
 
 def test_rows_of_different_layouts_decode_together():
     a, b = weights(2, 64, 64, seed=1), weights(2, 64, 64, seed=2, std=3.0)
-    rows_a, rows_b = codec.encode(a, "lossless").rows, codec.encode(b, "lossless").rows
+    rows_a, rows_b = codec.encode(a, "lossless"), codec.encode(b, "lossless")
     width = max(rows_a.shape[1], rows_b.shape[1])
     rows = torch.zeros(4, width, dtype=torch.uint8)
     rows[:2, : rows_a.shape[1]], rows[2:, : rows_b.shape[1]] = rows_a, rows_b
@@ -56,9 +56,9 @@ def test_rows_of_different_layouts_decode_together():
 
 def test_fp8_is_close_and_refuses_non_finite_weights():
     table = weights(3, 32, 48)
-    enc = codec.encode(table, "fp8")
-    assert enc.rows.shape[1] / (2 * 32 * 48) < 0.6
-    back = codec.decode(enc.rows, 32 * 48).view(table.shape).float()
+    rows = codec.encode(table, "fp8")
+    assert rows.shape[1] / (2 * 32 * 48) < 0.6
+    back = codec.decode(rows, 32 * 48).view(table.shape).float()
     rel = (back - table.float()).norm() / table.float().norm()
     assert 0 < rel < 0.05  # e4m3 keeps 3 mantissa bits: lossy, but close
     table[0, 0, 0] = float("inf")
@@ -79,11 +79,11 @@ def test_check_codec_names_the_choices_and_the_dtype():
 def test_the_gpu_decoder_matches_the_reference(name):
     if not kernels.interpreting() and not torch.cuda.is_available():
         pytest.skip("triton needs CUDA outside its interpreter")
-    from oled.kernels.codec import decode_listed, describe_rows
+    from oled.kernels.codec import decode_listed
 
     dev = "cuda" if not kernels.interpreting() else "cpu"
     w13, w2 = weights(3, 64, 96, seed=3).to(dev), weights(3, 96, 32, seed=4).to(dev)
-    rows13, rows2 = codec.encode(w13, name).rows, codec.encode(w2, name).rows
+    rows13, rows2 = codec.encode(w13, name), codec.encode(w2, name)
     landing = torch.zeros(2, 6, max(rows13.shape[1], rows2.shape[1]), dtype=torch.uint8, device=dev)
     landing[0, :3, : rows13.shape[1]], landing[1, :3, : rows2.shape[1]] = rows13, rows2
     out13 = torch.zeros(4, 64 * 96, dtype=torch.bfloat16, device=dev)
@@ -98,6 +98,15 @@ def test_the_gpu_decoder_matches_the_reference(name):
     assert torch.equal(bits(out13[order]), bits(codec.decode(rows13, 64 * 96)))
     assert torch.equal(bits(out2[order]), bits(codec.decode(rows2, 96 * 32)))
     assert not out13[1].any()  # a row nobody listed stays as it was
+
+
+def describe_rows(sources: list[torch.Tensor], targets: list[torch.Tensor], base: torch.Tensor):
+    """The decoder's descriptor [1 + 2M] int64 of rows (encoded source, destination) from `base`
+    (what oled.offload.encoded writes from the engine's tables)."""
+    desc = [len(sources)]
+    for s, t in zip(sources, targets, strict=True):
+        desc += [s.data_ptr() - base.data_ptr(), t.data_ptr() - base.data_ptr()]
+    return torch.tensor(desc, dtype=torch.int64, device=base.device)
 
 
 def answers(rt) -> list[list[int]]:
