@@ -35,7 +35,7 @@ from oled.offload.engine import OffloadEngine
 from oled.offload.predict import NextLayerRouting
 from oled.paths import cache_home
 from oled.policies.base import AllocationPolicy, CompensationPolicy, CostModel, RetentionPolicy
-from oled.policies.planner import Planner
+from oled.policies.planner import STAGE_ROUNDS, Planner
 from oled.recipe import DEFAULT_MODEL, Recipe
 from oled.recipe.schema import RUNTIME
 
@@ -396,10 +396,10 @@ def build_runtime(
     path = resolve_model(model)
     cfg = ModelConfig.from_json(path)
     budget = budget or Budget()
+    scratch = STAGE_ROUNDS * stage_capacity + (LANDING if transfer != "plain" else 0)
     slots = total_slots(
-        budget, cfg, dtype=torch_dtype, device=dev, kv_tokens=kv_tokens,
-        stage_capacity=stage_capacity + (LANDING if transfer != "plain" else 0),  # + landing
-    )  # fmt: skip
+        budget, cfg, dtype=torch_dtype, device=dev, kv_tokens=kv_tokens, scratch_experts=scratch
+    )
     ckpt = load_checkpoint(
         path,
         device=dev,

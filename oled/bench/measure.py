@@ -80,6 +80,7 @@ def bench_runtime(
         run_once(rt, prompt, decode, agree)
         agreements.append(agree[0].result())
     row = summarise(label, runs, offload)
+    row["tokens_per_second_passes"] = [s.tokens_per_second for s in runs]  # each run a pass
     _profile_into(row, rt, cfg, prompt, decode, follow=followed)
     row["output"] = _digest(outputs[0])
     row["block_length"], row["threshold"] = decode.block_length, decode.threshold
@@ -159,6 +160,9 @@ def _offload_summary(per_run: list[dict]) -> dict[str, float]:
         out["copy_gb_per_s"] = out["copy_bytes_per_iteration"] / out["copy_ms_per_iteration"] / 1e6
     prompt = with_rates(_sum(per_run, "prompt"))
     out["prompt_copies"] = prompt["copies"] / len(per_run)
+    # the prompt forward's copies: bytes and busy time (its floor: bytes at the pinned rate)
+    out["prompt_copy_bytes"] = prompt["copy_bytes"] / len(per_run)
+    out["prompt_copy_ms"] = prompt["copy_ms"] / len(per_run)
     out["prompt_cpu_share"] = prompt["cpu_share"]  # CPU experts in the prompt forward
     return out
 

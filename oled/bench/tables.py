@@ -59,7 +59,8 @@ def _columns(ratios: bool, offload: bool, ahead: bool) -> list[str]:
 def _cells(r: dict[str, Any], first: dict[str, Any], ratios: bool, offload: bool,
            ahead: bool) -> list[str]:  # fmt: skip
     """One row's cells, in the order of `_columns`."""
-    cells = [r["label"], f"{r['tokens_per_second']:.1f}", f"{r['ms_per_forward_mean']:.2f}",
+    cells = [r["label"], _with_spread(r["tokens_per_second"], r.get("tokens_per_second_passes")),
+             f"{r['ms_per_forward_mean']:.2f}",
              f"{r['ms_per_iteration_median']:.2f}", f"{r['ms_per_iteration_p90']:.2f}",
              _fmt(r.get("prompt_ms"), "{:.1f}"), f"{r['tokens_per_forward']:.2f}",
              *_agreement_cells(r.get("agreement"))]  # fmt: skip
@@ -73,6 +74,13 @@ def _cells(r: dict[str, Any], first: dict[str, Any], ratios: bool, offload: bool
             _fmt(o.get("predicted_per_iteration")) + (f" ({used:.0%})" if used is not None else "")
         )
     return cells
+
+
+def _with_spread(value: float, passes: list[float] | None) -> str:
+    """A figure with the range of its passes when there are several: "48.6 (47.9-49.1)"."""
+    if not passes or len(passes) < 2:
+        return f"{value:.1f}"
+    return f"{value:.1f} ({min(passes):.1f}-{max(passes):.1f})"
 
 
 def _agreement_cells(agreement: dict[str, Any] | None) -> list[str]:

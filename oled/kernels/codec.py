@@ -96,7 +96,9 @@ def _fp8_kernel(desc_ptr, base_ptr, BLOCK: tl.constexpr):
         normal = ((e + 120) << 23) | (mant << 20)  # e4m3 bias 7 -> fp32 bias 127
         value = tl.where(e > 0, normal.to(tl.float32, bitcast=True),
                          mant.to(tl.float32) * 0.001953125)  # fmt: skip  # m * 2^-9
-        value = tl.where(sign == 1, -value, value) * scale
+        # the sign as a bit (negating would turn a -0 into +0 on the device)
+        signed = value.to(tl.uint32, bitcast=True) | (sign.to(tl.uint32) << 31)
+        value = signed.to(tl.float32, bitcast=True) * scale
         bits = round_bf16(value).to(tl.uint32, bitcast=True) >> 16
         tl.store(dst + w, bits.to(tl.int16), mask=m)
 

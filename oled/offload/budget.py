@@ -71,9 +71,11 @@ def total_slots(
     dtype: torch.dtype,
     device: torch.device,
     kv_tokens: int = KV_TOKENS,
-    stage_capacity: int = 0,
+    scratch_experts: int = 0,
 ) -> int | None:
     """Expert slots for all MoE layers together; None when every expert stays resident.
+    `scratch_experts`: room for that many experts beside the slots (the stage's rounds and the
+    landing buffer of encoded transfers).
 
     Raises ValueError, stating the minimum, when the budget cannot hold one slot per MoE layer.
     """
@@ -84,11 +86,11 @@ def total_slots(
         slots = count_slots(budget, layers, experts)
     else:
         memory = budget.value if budget.kind == "gpu_memory" else free_memory(device)
-        slots = _slots_in_memory(int(memory), cfg, dtype, kv_tokens, stage_capacity)
+        slots = _slots_in_memory(int(memory), cfg, dtype, kv_tokens, scratch_experts)
     if slots >= layers * experts:
         return None
     if slots < layers:
-        raise ValueError(_too_small(budget, cfg, dtype, kv_tokens, stage_capacity, slots))
+        raise ValueError(_too_small(budget, cfg, dtype, kv_tokens, scratch_experts, slots))
     return slots
 
 
@@ -126,30 +128,30 @@ def free_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * 0.5)
 
 
-def _fixed_bytes(cfg, dtype, kv_tokens, stage_capacity) -> int:
+def _fixed_bytes(cfg, dtype, kv_tokens, scratch_experts) -> int:
     return (
         non_expert_bytes(cfg, dtype)
         + kv_bytes(cfg, dtype, kv_tokens)
         + ACTIVATION_RESERVE
-        + stage_capacity * expert_bytes(cfg, dtype)
+        + scratch_experts * expert_bytes(cfg, dtype)
     )
 
 
-def _slots_in_memory(memory: int, cfg, dtype, kv_tokens, stage_capacity) -> int:
-    return max(0, (memory - _fixed_bytes(cfg, dtype, kv_tokens, stage_capacity))) // expert_bytes(
+def _slots_in_memory(memory: int, cfg, dtype, kv_tokens, scratch_experts) -> int:
+    return max(0, (memory - _fixed_bytes(cfg, dtype, kv_tokens, scratch_experts))) // expert_bytes(
         cfg, dtype
     )
 
 
-def minimum_bytes(cfg: ModelConfig, dtype, kv_tokens: int, stage_capacity: int) -> int:
+def minimum_bytes(cfg: ModelConfig, dtype, kv_tokens: int, scratch_experts: int) -> int:
     """The smallest device budget that runs: fixed parts plus one expert slot per MoE layer."""
-    return _fixed_bytes(cfg, dtype, kv_tokens, stage_capacity) + cfg.num_moe_layers * expert_bytes(
+    return _fixed_bytes(cfg, dtype, kv_tokens, scratch_experts) + cfg.num_moe_layers * expert_bytes(
         cfg, dtype
     )
 
 
-def _too_small(budget, cfg, dtype, kv_tokens, stage_capacity, slots) -> str:
-    need = minimum_bytes(cfg, dtype, kv_tokens, stage_capacity)
+def _too_small(budget, cfg, dtype, kv_tokens, scratch_experts, slots) -> str:
+    need = minimum_bytes(cfg, dtype, kv_tokens, scratch_experts)
     what = {
         "expert_fraction": f"expert_fraction {budget.value} gives {slots} slots",
         "expert_budget": f"expert_budget {int(budget.value)} slots",
@@ -162,5 +164,5 @@ def _too_small(budget, cfg, dtype, kv_tokens, stage_capacity, slots) -> str:
         f"(one per MoE layer). Minimum device memory: {gib(need)} = non-expert weights "
         f"{gib(non_expert_bytes(cfg, dtype))} + KV cache for {kv_tokens} tokens "
         f"{gib(kv_bytes(cfg, dtype, kv_tokens))} + activations {gib(ACTIVATION_RESERVE)} + "
-        f"{cfg.num_moe_layers + stage_capacity} experts of {gib(expert_bytes(cfg, dtype))}"
+        f"{cfg.num_moe_layers + scratch_experts} experts of {gib(expert_bytes(cfg, dtype))}"
     )

@@ -3,7 +3,8 @@
  * in the order of the engine's Python path (oled/offload/launches.py): the copies into cache
  * slots on the copy stream between two timing events, the CPU experts' activations to pinned host memory, the
  * slot maps, the hits' pass graph, the wait for the copies, the copied experts' pass graph,
- * then the staged rounds (each waits for the stage's earlier users, copies, waits, passes).
+ * then the staged rounds (each waits for the earlier users of its part of the stage, copies,
+ * waits, passes).
  *
  * No CUDA header is needed: the runtime's entry points come as addresses from the libcudart
  * that torch loaded. A call declines to launch (returns 0 after planning) when a pass it needs
@@ -242,14 +243,18 @@ static int64_t launch(Drive *d, const Call *c, int64_t layer, int64_t rows, int6
     }
     int64_t size = d->stage_capacity; /* round r holds staged experts [r size, (r + 1) size) */
     const int64_t *stage_e = out + h[OUT_STAGE_E], *stage_s = out + h[OUT_STAGE_S];
+    void *users[STAGE_ROUNDS]; /* after the last users of each part of the stage */
+    for (int p = 0; p < STAGE_ROUNDS; p++) users[p] = d->stage_free;
     for (int64_t r = MAP_STAGED, lo = 0; r < rows; r++, lo += size) {
         int64_t k = n_stage - lo < size ? n_stage - lo : size;
-        if (d->stage_free) CHECK(d->wait(d->copy, d->stage_free, 0));
+        int64_t part = (r - MAP_STAGED) % STAGE_ROUNDS; /* the round's part of the stage */
+        if (users[part]) CHECK(d->wait(d->copy, users[part], 0));
         if (copies(d, layer, stage_e + lo, stage_s + lo, k, d->stage13, d->stage2, &copied))
             return -2;
         if (wait(d, layer, copied)) return -2;
         CHECK(d->launch((void *)(intptr_t)c->execs[r], d->compute));
-        if (record(d, d->compute, &d->stage_free)) return -2;
+        if (record(d, d->compute, &users[part])) return -2;
+        d->stage_free = users[part];
     }
     double t3 = now(), *row = d->counts + layer * N_COUNTS;
     row[C_LAUNCH_MS] += 1e3 * (t1 - t0);

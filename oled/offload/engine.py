@@ -82,7 +82,7 @@ class OffloadEngine(DecodeObserver):
         self._slot_shape = (store.w13[0].shape[1:], store.w2[0].shape[1:])
         self.w13 = [self._table(c, 0, dtype) for c in planner.capacities]
         self.w2 = [self._table(c, 1, dtype) for c in planner.capacities]
-        stage = planner.stage_capacity
+        stage = planner.stage_rows  # STAGE_ROUNDS rounds of stage_capacity experts
         self.stage_w13, self.stage_w2 = self._table(stage, 0, dtype), self._table(stage, 1, dtype)
         # views and addresses per expert / slot, made once (the hot path copies by row): each
         # layer's expert sources on the host and its cache tables, and the stage's tables

@@ -6,8 +6,10 @@ The order: the copies into cache slots on the copy stream between two timing eve
 experts' activations to pinned host memory and the event after them; the slot maps; the wait for
 copies ahead into this layer (timed as a stall); the hits' pass; the wait for this layer's copies
 (timed as a stall) and the copied experts' pass; then each staged round: the copy stream waits
-for the stage's earlier users, the round's copies (timed), the wait for them, its pass and the
-event after its pass (the stage's users now).
+for the earlier users of the round's part of the stage (the round STAGE_ROUNDS before it, or the
+stage's users before the call), the round's copies (timed), the wait for them, its pass and the
+event after its pass (that part's users now). So one round's copies run while the previous
+round's pass computes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from oled.policies.planner import COPIED, HIT, STAGED, LayerPlan
+from oled.policies.planner import COPIED, HIT, STAGE_ROUNDS, STAGED, LayerPlan
 
 
 class Launcher(Protocol):
@@ -82,9 +84,9 @@ def launch_inputs(rt: Launcher, layer: int, plan: LayerPlan) -> tuple[Any, Any]:
 def launch_passes(rt: Launcher, layer: int, plan: LayerPlan, ready: Any) -> None:
     """Hits at once, the experts copied now after their copies (`ready`), then the experts that
     found no cache slot through the stage in rounds of its capacity: each round's copies wait
-    until the stage's earlier users are done (and are timed after that wait: copy time only),
-    its pass for the copies. Every other pair of a pass is zero, so adding the rounds is
-    exact."""
+    until the earlier users of its part of the stage are done (and are timed after that wait:
+    copy time only), its pass for the copies. Every other pair of a pass is zero, so adding the
+    rounds is exact."""
     if rt.ahead is not None:  # hits may be experts copied ahead at the previous layer
         stall(rt, layer, rt.ahead)
     rt.run_pass(HIT)
@@ -93,14 +95,15 @@ def launch_passes(rt: Launcher, layer: int, plan: LayerPlan, ready: Any) -> None
             stall(rt, layer, ready)
         rt.run_pass(COPIED)
     stage_e, stage_s, size = plan.stage_experts, plan.stage_slots, rt.stage_capacity
+    free = [rt.stage_free] * STAGE_ROUNDS  # after the last users of each part of the stage
     for n, lo in enumerate(range(0, len(stage_e), size)):
-        if rt.stage_free is not None:  # the stage's earlier users are done first
-            rt.wait(rt.copy, rt.stage_free)
+        if free[n % STAGE_ROUNDS] is not None:  # the part's earlier users are done first
+            rt.wait(rt.copy, free[n % STAGE_ROUNDS])
         copied = timed_copies(rt, layer, stage_e[lo : lo + size], stage_s[lo : lo + size], True)
         if copied is not None:
             stall(rt, layer, copied)
         rt.run_pass(STAGED + n)
-        rt.stage_free = rt.record(rt.compute)
+        rt.stage_free = free[n % STAGE_ROUNDS] = rt.record(rt.compute)
 
 
 def timed_copies(

@@ -37,7 +37,7 @@ from oled.paths import cache_home
 from oled.policies import compensation as C
 from oled.policies import retention as R
 from oled.policies.base import CompensationPolicy, Load, RetentionPolicy
-from oled.policies.planner import COPIED, COUNTERS, HIT, STAGED, LayerPlan
+from oled.policies.planner import COPIED, COUNTERS, HIT, STAGE_ROUNDS, STAGED, LayerPlan
 
 if TYPE_CHECKING:
     from oled.policies.planner import Planner
@@ -202,7 +202,12 @@ def plan_tables() -> dict[str, dict[str, int]]:
         "counters": {name: i for i, name in enumerate(COUNTERS)},
         "regions": {name: i for i, name in enumerate(REGIONS)},
         "header": {name: SLOT_MAP + i for i, name in enumerate(HEADER_FIELDS)},
-        "slot-map rows": {"hit": HIT, "copied": COPIED, "staged": STAGED},
+        "slot-map rows": {
+            "hit": HIT,
+            "copied": COPIED,
+            "staged": STAGED,
+            "stage rounds": STAGE_ROUNDS,
+        },  # fmt: skip
     }
 
 

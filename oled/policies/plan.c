@@ -478,7 +478,8 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
             if (b->stage_capacity) stage_e[n_stage++] = order[i];
             else cpu[n_cpu++] = order[i];
         }
-    for (int64_t i = 0; i < n_stage; i++) stage_s[i] = i % b->stage_capacity;
+    for (int64_t i = 0, cap = b->stage_capacity; i < n_stage; i++) /* round i / cap's part */
+        stage_s[i] = i % cap + cap * (i / cap % STAGE_ROUNDS);
     int64_t *gpu = region(o, E, OUT_GPU), n_gpu = n_hits;
     memcpy(gpu, hits, (size_t)n_hits * sizeof(int64_t));
     for (int64_t i = 0; i < n_cache; i++)
@@ -553,6 +554,7 @@ static const ContractRow HEADER_NAMES[] = {
 };
 static const ContractRow MAP_NAMES[] = {
     ENTRY("hit", MAP_HIT), ENTRY("copied", MAP_COPIED), ENTRY("staged", MAP_STAGED),
+    ENTRY("stage rounds", STAGE_ROUNDS),
 };
 _Static_assert(N_ROWS(COUNTER_NAMES) == N_STATS, "every counter has a name");
 _Static_assert(N_ROWS(REGION_NAMES) == N_OUT, "every region has a name");

@@ -22,6 +22,9 @@ enum {
 };
 /* Rows of a layer's expert -> slot maps: MAP_STAGED + r for staged round r. */
 enum { MAP_HIT, MAP_COPIED, MAP_STAGED };
+/* Rounds the stage holds: round r's experts in its part r % STAGE_ROUNDS, so that one round's
+ * copies overlap the previous round's pass. */
+enum { STAGE_ROUNDS = 2 };
 
 typedef struct Bind Bind;
 

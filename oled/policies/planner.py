@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from oled.policies.native import CompiledPlan
 
 HIT, COPIED, STAGED = 0, 1, 2  # rows of a layer's expert -> slot maps; STAGED + round
+STAGE_ROUNDS = 2  # rounds the stage holds: one round's copies overlap the previous one's pass
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY_F = np.zeros(0, np.float64)
 _NO_LOAD = Load()
@@ -325,6 +326,11 @@ class Planner:
             self.native.attach_maps(maps)
 
     @property
+    def stage_rows(self) -> int:
+        """The stage's slots: STAGE_ROUNDS rounds of stage_capacity experts."""
+        return STAGE_ROUNDS * self.stage_capacity
+
+    @property
     def slot_map_rows(self) -> int:
         """The most slot-map rows a plan writes: HIT, COPIED and one per stage round."""
         rounds = -(-self.num_experts // self.stage_capacity) if self.stage_capacity else 0
@@ -522,8 +528,12 @@ class Planner:
         return over, cpu
 
     def _stage_slots(self, n: int) -> np.ndarray:
-        """The stage slots of n staged experts: expert i in slot i % stage_capacity."""
-        return np.arange(n, dtype=np.int64) % self.stage_capacity if n else _EMPTY
+        """The stage slots of n staged experts: expert i, in round r = i // stage_capacity,
+        in slot i % stage_capacity of the round's part of the stage (r % STAGE_ROUNDS)."""
+        if not n:
+            return _EMPTY
+        i, cap = np.arange(n, dtype=np.int64), self.stage_capacity
+        return i % cap + cap * (i // cap % STAGE_ROUNDS)
 
     def _count(
         self, layer: int, plan: LayerPlan, counts: np.ndarray, n_needed: int, n_copied: int

@@ -110,7 +110,7 @@ class RuntimeSection(Strict):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     cpu_threads: int | None = Field(None, ge=1)
     budget: BudgetSection = Field(default_factory=lambda: BudgetSection(resident=True))
-    stage_capacity: int = Field(8, ge=1)  # scratch slots for copies that are not cached
+    stage_capacity: int = Field(8, ge=1)  # experts per round of uncached copies (2 rounds held)
     prefetch: int = Field(0, ge=0)  # experts per MoE layer copied a layer ahead (0 = off)
     cost: str = "calibrate"  # "calibrate" or a cost profile name such as "h200"
     cuda_graphs: bool = True  # replay forwards as CUDA graphs on CUDA (the same tokens)

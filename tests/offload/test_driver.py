@@ -20,7 +20,7 @@ from oled.policies import native
 from oled.policies import retention as R
 from oled.policies.allocation import UniformAllocation
 from oled.policies.base import CostModel
-from oled.policies.planner import COPIED, STAGED, Planner
+from oled.policies.planner import COPIED, STAGE_ROUNDS, STAGED, Planner
 
 L, E, K, T = 3, 24, 4, 6
 SRC13, SRC2, CACHE13, CACHE2 = 10**9, 2 * 10**9, 3 * 10**9, 4 * 10**9  # [L] bases + 10**7 l
@@ -248,6 +248,32 @@ def test_launches_follow_the_python_path(comp):
             assert driver.library().oled_collect(ref) == 0
             python.stage_free = None  # both streams idle: the stage is free
     assert cpu if comp == "cpu" else staged, "the routing never needed the case under test"
+
+
+def test_staged_rounds_wait_only_for_their_part_of_the_stage():
+    """A round's copies wait for the pass STAGE_ROUNDS rounds before it (the last users of its
+    part of the stage), not for the previous round's, so they run while that pass computes;
+    the next call's first rounds wait for the last pass of this one."""
+    p, d, call, rt, (keep, _, _, routing) = setup(C.TransferOnly())  # keep: what d points to
+    ids = np.arange(T * K).reshape(T, K) % E  # every expert: rounds through the stage
+    before = []  # the stage's users before the first call: none
+    for step in range(2):
+        p.begin_step(step=step, block=0)
+        rt.calls.clear()
+        assert run(p, d, call, routing, 0, ids, np.ones((T, K), np.float32)) == 1
+        rounds = p.native.unpack(0).map_rows - STAGED
+        assert rounds > STAGE_ROUNDS
+        after = {}  # round -> the event recorded after its pass
+        waits = []  # the copy stream's waits, in order
+        for i, c in enumerate(rt.calls):
+            if c[0] == "graph" and c[1] >= 100 * (STAGED + 1):
+                after[c[1] // 100 - 1 - STAGED] = rt.calls[i + 1][1]
+            if c[0] == "wait" and c[1] == COPY:
+                waits.append(c[2])
+        later = [after[n - STAGE_ROUNDS] for n in range(STAGE_ROUNDS, rounds)]
+        assert waits == before * STAGE_ROUNDS + later
+        before = [after[rounds - 1]]  # both parts' users for the next call: this last pass
+        assert d.stage_free == before[0]
 
 
 def test_counts_and_collected_times_match_the_plans():

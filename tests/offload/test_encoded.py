@@ -83,6 +83,7 @@ def test_the_gpu_decoder_matches_the_reference(name):
 
     dev = "cuda" if not kernels.interpreting() else "cpu"
     w13, w2 = weights(3, 64, 96, seed=3).to(dev), weights(3, 96, 32, seed=4).to(dev)
+    w13[0, 0, :4] = torch.tensor([-0.0, 0.0, -1e-9, 1e-9])  # signed zeros (fp8: also -1e-9)
     rows13, rows2 = codec.encode(w13, name), codec.encode(w2, name)
     landing = torch.zeros(2, 6, max(rows13.shape[1], rows2.shape[1]), dtype=torch.uint8, device=dev)
     landing[0, :3, : rows13.shape[1]], landing[1, :3, : rows2.shape[1]] = rows13, rows2

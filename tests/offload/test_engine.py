@@ -154,7 +154,7 @@ def test_memory_budget_counts_slots():
     cfg = mini_config()
     slots = total_slots(
         Budget("gpu_memory", 24 * 2**30), cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
-        stage_capacity=8,
+        scratch_experts=16,
     )  # fmt: skip
     # 24 GiB minus 1.8 GiB of non-expert weights, KV cache and reserve: about 3,500 6-MiB slots
     assert 3300 < slots < 3700

@@ -19,7 +19,7 @@ from oled.policies.compensation import (
     StaticHot,
     TransferOnly,
 )
-from oled.policies.planner import Planner
+from oled.policies.planner import STAGE_ROUNDS, Planner
 from oled.policies.retention import (
     ConfidenceRetention,
     LFURetention,
@@ -87,8 +87,12 @@ def check_plan(planner: Planner, plan, ids: np.ndarray, before: np.ndarray) -> N
     # staged experts go through the stage in rounds; without a stage they go to the CPU
     if not planner.stage_capacity:
         assert len(plan.stage_experts) == 0
-    rounds = np.arange(len(plan.stage_experts)) // max(1, planner.stage_capacity)
-    assert (plan.stage_slots < max(1, planner.stage_capacity)).all()
+    cap = max(1, planner.stage_capacity)
+    rounds = np.arange(len(plan.stage_experts)) // cap
+    # round r in its part of the stage (r % STAGE_ROUNDS): rounds next to each other share no slot
+    part = plan.stage_slots // cap
+    assert (plan.stage_slots < max(1, planner.stage_rows)).all()
+    assert (part == rounds % STAGE_ROUNDS).all()
     for r in np.unique(rounds):  # one expert per stage slot within a round
         assert len(set(plan.stage_slots[rounds == r])) == (rounds == r).sum()
 
@@ -128,7 +132,7 @@ def test_capacity_one_many_misses_go_through_the_stage_in_rounds() -> None:
     plan = planner.plan(0, ids, np.ones((3, 2), np.float32), Load())
     assert len(plan.copy_experts) == 1 and len(plan.stage_experts) == 5
     assert len(plan.cpu_experts) == 0  # a copy decision is never turned into a CPU expert
-    assert list(plan.stage_slots) == [0, 1, 0, 1, 0]
+    assert list(plan.stage_slots) == [0, 1, 2, 3, 0]  # rounds alternate between the parts
 
 
 def test_without_a_stage_overflow_goes_to_the_cpu() -> None:
