@@ -102,14 +102,17 @@ def simulate_cmd(
             )  # fmt: skip
     table = Table(title=f"{trace_file.name}: {trace.num_steps} forwards")
     for col in ("policy", "hit rate", "Belady bound", "ms/it (model)", "copies/it",
-                "GB/it", "CPU share"):  # fmt: skip
-        table.add_column(col, justify="left" if col == "policy" else "right")
+                "GB/it", "CPU share", "misses routed before"):  # fmt: skip
+        if col == "policy":  # names whole, however narrow the terminal
+            table.add_column(col, no_wrap=True, min_width=max(map(len, runs)))
+        else:
+            table.add_column(col, justify="right")
     for name, r in runs.items():
         res, bound = simulate_recipe(trace, r, profile=profile)
         table.add_row(
             name, f"{res.hit_rate:.3f}", f"{bound:.3f}", f"{res.ms_per_iteration:.2f}",
             f"{res.copies_per_iteration:.1f}", f"{res.gb_copied_per_iteration:.3f}",
-            f"{100 * res.cpu_share:.1f}%",
+            f"{100 * res.cpu_share:.1f}%", f"{100 * res.misses_routed_before:.0f}%",
         )  # fmt: skip
     console.print(table)
 

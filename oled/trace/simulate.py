@@ -43,6 +43,9 @@ class SimResult:
     iterations: int
     capacities: list[int]  # at the end of the trace
     capacity_history: list[list[int]]  # [S][L] capacities each forward ran with
+    # of the misses after a generation's first forward, the share that the same layer routed in
+    # the forward before (what a prediction from that forward could have copied a forward early)
+    misses_routed_before: float = 0.0
     stats: dict[str, list[int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -98,11 +101,14 @@ def simulate(
     history = np.zeros((trace.num_steps, m.num_moe_layers), np.int64)
     clock = _Clock()
     prev_block = None
+    before = _RoutedBefore(m.num_moe_layers)
     for s, (ctx, routing) in enumerate(trace):
         if prev_block is not None and ctx.block != prev_block:
             planner.end_block()
         prev_block = ctx.block
         planner.begin_step(step=ctx.step, block=ctx.block)
+        if ctx.step == 0:  # a new generation: nothing routed before it
+            before.reset()
         history[s] = planner.capacities
         t = 0.0
         for layer, (ids, w) in enumerate(routing):
@@ -111,13 +117,17 @@ def simulate(
                 copy_queue_ms=max(0.0, clock.copy_free - t0),
                 cpu_queue_ms=max(0.0, clock.cpu_free - t0),
             )
-            t = clock.layer(t0, planner.plan(layer, ids, w, load), cost)
+            plan = planner.plan(layer, ids, w, load)
+            before.count(layer, plan.misses, ids)
+            t = clock.layer(t0, plan, cost)
         for layer, (ids, w) in enumerate(routing):
             planner.observe(layer, ids, w, ctx)
         step_ms[s] = t
         clock.copy_free = max(0.0, clock.copy_free - t)
         clock.cpu_free = max(0.0, clock.cpu_free - t)
-    return _result(trace, planner, step_ms, history, clock.stall, cost)
+    result = _result(trace, planner, step_ms, history, clock.stall, cost)
+    result.misses_routed_before = before.share()
+    return result
 
 
 def _result(
@@ -149,6 +159,28 @@ def _result(
         capacity_history=history.tolist(),
         stats=st.to_dict(),
     )
+
+
+class _RoutedBefore:
+    """Counts the misses that the same layer routed in the forward before."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers, self.misses, self.seen = layers, 0, 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.last: list[np.ndarray | None] = [None] * self.layers  # [L] experts routed, sorted
+
+    def count(self, layer: int, misses: np.ndarray, ids: np.ndarray) -> None:
+        """A layer's plan: its misses [M] and routing ids [T, K]."""
+        last = self.last[layer]
+        if last is not None:
+            self.misses += len(misses)
+            self.seen += int(np.isin(misses, last, assume_unique=True).sum())
+        self.last[layer] = np.unique(ids)
+
+    def share(self) -> float:
+        return self.seen / self.misses if self.misses else 0.0
 
 
 # -- Belady with bypass --------------------------------------------------------------------

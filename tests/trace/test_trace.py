@@ -160,6 +160,39 @@ def test_simulator_reports(small: Trace) -> None:
     assert full.to_dict()["iterations"] == small.num_steps
 
 
+def _repeating_trace(ids_of_step: list[np.ndarray], steps: list[int]) -> Trace:
+    """One layer; forward i routes its 2 tokens to ids_of_step[i] [2, 2] (step: steps[i])."""
+    from oled.decoding.trace_file import TraceMeta
+
+    n = len(ids_of_step)
+    ids = np.stack(ids_of_step).reshape(1, 2 * n, 2).astype(np.int16)  # [L, R, K]
+    return Trace(
+        meta=TraceMeta(num_moe_layers=1, num_experts=16, top_k=2), ids=ids,
+        weights=np.ones(ids.shape, np.float32), token_state=np.full(2 * n, TOKEN_MASKED, np.int8),
+        confidence=np.zeros(2 * n, np.float32), row_offsets=np.arange(n + 1) * 2,
+        block=np.zeros(n, np.int32), iteration=np.array(steps, np.int32),
+        step=np.array(steps, np.int32),
+    )  # fmt: skip
+
+
+def test_simulator_counts_the_misses_routed_the_forward_before() -> None:
+    """A cache of 2 slots under 4 experts routed again each forward: every later miss was
+    routed the forward before; fresh experts each forward: none was; a generation's first
+    forward is not counted."""
+    same = np.array([[0, 1], [2, 3]])
+    policies = dict(allocation=UniformAllocation(), retention=LRURetention(),
+                    compensation=TransferOnly(), cost=COST, total_slots=2)  # fmt: skip
+    again = simulate(_repeating_trace([same] * 4, [0, 1, 2, 3]), **policies)
+    assert again.copies + again.staged > 4 and again.misses_routed_before == 1.0
+    fresh = [same + 4 * (i % 4) for i in range(4)]
+    assert simulate(_repeating_trace(fresh, [0, 1, 2, 3]), **policies).misses_routed_before == 0
+    # two generations: the second's first forward routes what the first's last did, uncounted
+    two = simulate(_repeating_trace([same, same + 4, same + 4, same + 4], [0, 1, 0, 1]), **policies)
+    # counted: the 1st's step 1 (4 misses, none routed before), the 2nd's (2 of 4 cached: 2
+    # misses, both routed before)
+    assert two.misses_routed_before == pytest.approx(2 / 6)
+
+
 def test_simulator_runtime_bound() -> None:
     trace = synthetic_trace(num_layers=19, blocks=32, seed=0)
     assert trace.num_steps >= 500
