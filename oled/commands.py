@@ -398,7 +398,7 @@ def _bench_rows(cfg, specs, works, follow: bool, report_dir: Path | None) -> Non
         del rt
         gc.collect()
     rows = b.with_ratios(rows)
-    out = Console(highlight=False, width=max(270, Console().width))  # 22 columns fit
+    out = Console(highlight=False, width=max(290, Console().width))  # 23 columns fit
     out.print(b.table(rows))
     if any("stages_ms_per_iteration" in r for r in rows):
         out.print(b.stage_table(rows))

@@ -358,7 +358,7 @@ def row_label(c: Combo, frac: float, recorded: bool, compiled: bool, engine: Off
 
 def print_summary(bench: Bench) -> None:
     """The table of every row (and the stage and host tables with --profile); the report."""
-    console = Console(highlight=False, width=250)
+    console = Console(highlight=False, width=320)
     console.print(table(with_ratios(bench.rows)))
     if bench.args.profile:
         console.print(stage_table(bench.rows))

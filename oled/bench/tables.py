@@ -18,6 +18,7 @@ OFFLOAD_COLUMNS = [
     "stall ms/it",
     "copy ms/it",
     "copy GB/s",
+    "prompt / copies",
     "host µs/layer",
     "plan/launch/pass µs",
     "sync µs/layer",
@@ -67,7 +68,7 @@ def _cells(r: dict[str, Any], first: dict[str, Any], ratios: bool, offload: bool
     cells += [f"{r['ms_ratio_to_first']:.2f}x"] * ratios
     o = r.get("offload", {})
     if offload:
-        cells += _offload_cells(o)
+        cells += _offload_cells(o, r.get("prompt_ms"))
     if ahead:
         used = o.get("predicted_used")
         cells.append(
@@ -94,14 +95,17 @@ def _agreement_cells(agreement: dict[str, Any] | None) -> list[str]:
     return [same, _fmt(agreement.get("max_logit_diff"), "{:.2g}")]
 
 
-def _offload_cells(o: dict[str, Any]) -> list[str]:
-    """The cells under OFFLOAD_COLUMNS."""
+def _offload_cells(o: dict[str, Any], prompt_ms: float | None) -> list[str]:
+    """The cells under OFFLOAD_COLUMNS (`prompt_ms` against its copies' time: 1.00x when the
+    copy stream is busy all through the prompt forward)."""
+    copies = o.get("prompt_copy_ms")
     return [_fmt(o.get("hit_rate"), "{:.1%}"), _fmt(o.get("copies_per_iteration")),
             _fmt(o.get("copy_bytes_per_iteration"), "{:.1f}", 1e-6),
             _fmt(o.get("cpu_share"), "{:.1%}"), _fmt(o.get("prompt_cpu_share"), "{:.1%}"),
             _fmt(o.get("stall_ms_per_iteration"), "{:.2f}"),
             _fmt(o.get("copy_ms_per_iteration"), "{:.2f}"),
             _fmt(o.get("copy_gb_per_s"), "{:.1f}"),
+            _fmt(prompt_ms / copies if prompt_ms and copies else None, "{:.2f}x"),
             _fmt(o.get("host_us_per_layer"), "{:.0f}"),
             _host_split(o),
             _fmt(o.get("sync_us_per_layer"), "{:.0f}")]  # fmt: skip

@@ -84,7 +84,7 @@ def test_offload_columns_and_ratios():
     assert copied["offload"]["copy_gb_per_s"] == 50.0  # bytes over the copy stream's busy time
     from rich.console import Console
 
-    console = Console(record=True, width=260)
+    console = Console(record=True, width=290)
     console.print(bench.table(rows))
     text = console.export_text()
     assert "2.00x" in text and "50.0%" in text and "hit rate" in text
@@ -94,7 +94,7 @@ def test_offload_columns_and_ratios():
     rows = bench.with_ratios([*rows, bench.summarise("ahead", [stats([1.0, 5.0])], [ahead])])
     assert rows[-1]["offload"]["predicted_used"] == 0.25
     assert rows[-1]["offload"]["cpu_ms_per_expert"] == 0.25
-    console = Console(record=True, width=300)
+    console = Console(record=True, width=320)
     console.print(bench.table(rows))
     text = console.export_text()
     assert "ahead/it (used)" in text and "4.0 (25%)" in text
