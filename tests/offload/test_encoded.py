@@ -74,6 +74,35 @@ def test_check_codec_names_the_choices_and_the_dtype():
     assert codec.describe("fp8") == "fp8 (lossy)" and codec.describe("lossless") == "lossless"
 
 
+def test_simulated_int4_keeps_each_group_within_half_a_step():
+    """tools/lossy_quality.py's int4-gN: every weight on its group's grid of absmax / 7, at most
+    half a step away; 4 + 32/N bits a weight; a name that is not int4-gN is no int4 codec."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "lossy_quality.py"
+    spec = importlib.util.spec_from_file_location("lossy_quality", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    table = weights(3, 16, 256, seed=5)
+    out = tool.int4_round_trip(table, 128)
+    groups = table.float().reshape(3, 16, 2, 128)
+    step = groups.abs().amax(-1, keepdim=True) / 7  # [E, rows, groups, 1]
+    err = (out.float().reshape(groups.shape) - groups).abs()
+    rounding = groups.abs() * 2**-8  # the result is bf16
+    assert (err <= step / 2 + rounding).all() and (err > 0).any()
+    levels = out.float().reshape(groups.shape) / step
+    assert (levels - levels.round()).abs().max() < 0.02  # on the grid (to bf16's rounding)
+    assert tool.bytes_share("int4-g128", [table]) == pytest.approx(4.25 / 16)
+    assert tool.bytes_share("fp8", [table]) is None
+    assert [tool.int4_group(n) for n in ("int4-g32", "int4-g", "int4-gx", "fp8")] == [
+        32,
+        None,
+        None,
+        None,
+    ]
+
+
 @pytest.mark.skipif(not kernels.triton_available(), reason="needs triton (its interpreter here)")
 @pytest.mark.parametrize("name", ["lossless", "fp8"])
 def test_the_gpu_decoder_matches_the_reference(name):
