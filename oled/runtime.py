@@ -414,15 +414,25 @@ def build_runtime(
             checkpoint=ckpt, device=dev, executor=executor, decode=decode, graphs=graphs,
             kernels=kernels,
         )  # fmt: skip
+    encoded = None if transfer == "plain" else EncodedCopies(ckpt.experts, transfer, dev, progress)
     cost, costs = resolve_cost(cost, ckpt, dev)
+    if encoded is not None:  # the decisions see the bytes a copy moves
+        cost = transfer_cost(cost, encoded)
+        costs = costs | asdict(cost) | {"transfer": transfer, "copy_share": encoded.ratio}
     engine = make_engine(ckpt, dev, make_planner(
         ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost, prefetch,
         planner,
-    ), driver, transfer, progress)  # fmt: skip
+    ), driver, encoded or "plain", progress)  # fmt: skip
     return Runtime(
         checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine],
         graphs=graphs, kernels=kernels, costs=costs,
     )  # fmt: skip
+
+
+def transfer_cost(cost: CostModel, encoded: EncodedCopies | str) -> CostModel:
+    """The cost model for copies of `encoded` ("plain": as it is): each copy moves the encoded
+    share of an expert's bytes (CostModel.for_transfer)."""
+    return cost if isinstance(encoded, str) else cost.for_transfer(encoded.ratio)
 
 
 def make_engine(

@@ -50,7 +50,13 @@ from oled.policies import ANCHORS, anchor_policies  # noqa: E402
 from oled.policies import allocation as A  # noqa: E402
 from oled.policies import compensation as C  # noqa: E402
 from oled.policies import retention as R  # noqa: E402
-from oled.runtime import Runtime, make_engine, make_planner  # noqa: E402
+from oled.runtime import (  # noqa: E402
+    Runtime,
+    make_engine,
+    make_planner,
+    resolve_cost,
+    transfer_cost,
+)
 
 if TYPE_CHECKING:
     from oled.offload.engine import OffloadEngine
@@ -319,11 +325,13 @@ def offloaded_row(
     use_batches(c.batched)
     p = CONFIGS[c.name]()
     use_kernels(c.kernels)  # the cost calibration times the kernels the row runs
+    transfer = bench.transfer(c.transfer)
+    cost = transfer_cost(resolve_cost(args.cost, ckpt, dev)[0], transfer)  # what a copy moves
     planner = make_planner(
-        ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], args.cost,
+        ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], cost,
         c.prefetch, c.planner,
     )  # fmt: skip
-    engine = make_engine(ckpt, dev, planner, c.driver, bench.transfer(c.transfer))
+    engine = make_engine(ckpt, dev, planner, c.driver, transfer)
     recorded = bool(c.prefetch) and oracle is not None
     observers = [engine]
     if recorded:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
@@ -109,6 +109,15 @@ class CostModel:
         n = np.asarray(n_distinct_experts, dtype=np.float64)
         out = np.where(n > 0, self.gpu_fixed_ms + self.gpu_ms_per_expert * n, 0.0)
         return float(out) if out.ndim == 0 else out
+
+    def for_transfer(self, share: float) -> CostModel:
+        """The costs when a copy moves `share` of an expert's bytes (an encoded transfer,
+        oled.offload.encoded): the per-expert copy time and bytes scaled by it; the fixed cost
+        stays, and the device's decode is not counted."""
+        return replace(
+            self, copy_ms_per_expert=self.copy_ms_per_expert * share,
+            expert_bytes=round(self.expert_bytes * share),
+        )  # fmt: skip
 
     def to_json(self) -> str:
         """Serialise to a JSON object string."""
