@@ -418,21 +418,21 @@ def build_runtime(
     cost, costs = resolve_cost(cost, ckpt, dev)
     if encoded is not None:  # the decisions see the bytes a copy moves
         cost = transfer_cost(cost, encoded)
-        costs = costs | asdict(cost) | {"transfer": transfer, "copy_share": encoded.ratio}
+        costs |= asdict(cost) | {"transfer": transfer, "copy_share": encoded.ratio}
     engine = make_engine(ckpt, dev, make_planner(
         ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost, prefetch,
         planner,
-    ), driver, encoded or "plain", progress)  # fmt: skip
+    ), driver, encoded)  # fmt: skip
     return Runtime(
         checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine],
         graphs=graphs, kernels=kernels, costs=costs,
     )  # fmt: skip
 
 
-def transfer_cost(cost: CostModel, encoded: EncodedCopies | str) -> CostModel:
-    """The cost model for copies of `encoded` ("plain": as it is): each copy moves the encoded
-    share of an expert's bytes (CostModel.for_transfer)."""
-    return cost if isinstance(encoded, str) else cost.for_transfer(encoded.ratio)
+def transfer_cost(cost: CostModel, encoded: EncodedCopies | None) -> CostModel:
+    """The cost model for copies of `encoded` (None, plain rows: as it is): each copy moves
+    the encoded share of an expert's bytes (CostModel.for_transfer)."""
+    return cost if encoded is None else cost.for_transfer(encoded.ratio)
 
 
 def make_engine(
@@ -440,16 +440,15 @@ def make_engine(
     dev: torch.device,
     planner: Planner,
     driver: bool | None = None,
-    transfer: str | EncodedCopies = "plain",
-    progress: bool = False,
+    encoded: EncodedCopies | None = None,
 ) -> OffloadEngine:
     """The offload engine over the checkpoint's experts, with the next layer's routing
-    predicted from the model's routers when the planner prefetches; `driver`, `transfer`:
-    see OffloadEngine."""
+    predicted from the model's routers when the planner prefetches; `driver`, `encoded`:
+    see OffloadEngine (give the planner `transfer_cost` of the same `encoded`)."""
     predict = NextLayerRouting(ckpt.model) if planner.prefetch_limit else None
     return OffloadEngine(
         store=ckpt.experts, device=dev, planner=planner, predict=predict, driver=driver,
-        transfer=transfer, progress=progress,
+        encoded=encoded,
     )  # fmt: skip
 
 

@@ -112,10 +112,10 @@ class Bench:
     report: Path | None = None
     encoded: dict[str, EncodedCopies] = field(default_factory=dict)  # per transfer, made once
 
-    def transfer(self, name: str) -> str | EncodedCopies:
-        """The encoded experts of transfer `name` (encoded on first use), or "plain"."""
+    def transfer(self, name: str) -> EncodedCopies | None:
+        """The encoded experts of transfer `name` (encoded on first use); None for "plain"."""
         if name == "plain":
-            return name
+            return None
         if name not in self.encoded:
             t0 = time.perf_counter()
             self.encoded[name] = e = EncodedCopies(self.ckpt.experts, name, self.dev)

@@ -57,22 +57,16 @@ class OffloadEngine(DecodeObserver):
         planner: Planner,
         predict: Callable[[int, Tensor], Tensor | np.ndarray] | None = None,
         driver: bool | None = None,
-        transfer: str | EncodedCopies = "plain",
-        progress: bool = False,
+        encoded: EncodedCopies | None = None,
     ) -> None:
         """`predict(layer, x)`: the next MoE layer's likely ids [T, K] from layer's router input
         x [T, H] (oled.offload.predict: NextLayerRouting, or RecordedRouting on the host);
         used when the planner prefetches. `driver`: launch static layer calls from C
         (oled.offload.driver) where possible (None), always (True: an error where it cannot),
-        or never (False). `transfer`: how misses cross the link (oled.model.codec: "plain"
-        bf16 rows, "lossless" encoded rows, "fp8" lossy), encoded when the engine is built
-        (under a progress bar when `progress`), or ones already encoded for this store."""
+        or never (False). `encoded`: this store's experts encoded for the link
+        (oled.offload.encoded: misses cross it as encoded rows); None: plain bf16 rows."""
         self.store, self.device, self.planner = store, device, planner
-        self.encoded = (
-            transfer if isinstance(transfer, EncodedCopies)
-            else None if transfer == "plain"
-            else EncodedCopies(store, transfer, device, progress)
-        )  # fmt: skip
+        self.encoded = encoded
         # the bytes one expert's copy moves over the link
         self.expert_bytes = self.encoded.expert_bytes if self.encoded else store.expert_bytes
         self.predict = predict if planner.prefetch_limit else None

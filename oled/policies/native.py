@@ -207,7 +207,7 @@ def plan_tables() -> dict[str, dict[str, int]]:
             "copied": COPIED,
             "staged": STAGED,
             "stage rounds": STAGE_ROUNDS,
-        },  # fmt: skip
+        },
     }
 
 

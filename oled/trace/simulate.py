@@ -118,7 +118,7 @@ def simulate(
                 cpu_queue_ms=max(0.0, clock.cpu_free - t0),
             )
             plan = planner.plan(layer, ids, w, load)
-            before.count(layer, plan.misses, ids)
+            before.count(layer, plan)
             t = clock.layer(t0, plan, cost)
         for layer, (ids, w) in enumerate(routing):
             planner.observe(layer, ids, w, ctx)
@@ -171,13 +171,13 @@ class _RoutedBefore:
     def reset(self) -> None:
         self.last: list[np.ndarray | None] = [None] * self.layers  # [L] experts routed, sorted
 
-    def count(self, layer: int, misses: np.ndarray, ids: np.ndarray) -> None:
-        """A layer's plan: its misses [M] and routing ids [T, K]."""
+    def count(self, layer: int, plan: LayerPlan) -> None:
+        """A layer's plan: its misses against what the layer routed the forward before."""
         last = self.last[layer]
         if last is not None:
-            self.misses += len(misses)
-            self.seen += int(np.isin(misses, last, assume_unique=True).sum())
-        self.last[layer] = np.unique(ids)
+            self.misses += len(plan.misses)
+            self.seen += int(np.isin(plan.misses, last, assume_unique=True).sum())
+        self.last[layer] = np.union1d(plan.hits, plan.misses)  # every expert it routed
 
     def share(self) -> float:
         return self.seen / self.misses if self.misses else 0.0
