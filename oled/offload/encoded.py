@@ -10,10 +10,10 @@ descriptor from a pinned ring. The ring is taken in order within an iteration an
 once the engine has synchronised its streams (`reset`); a path that finds it full synchronises
 the copy stream first (Python) or declines (C).
 
-Encoding happens once, when the engine is built, on the device where there is one (seconds for
-LLaDA2.0-mini's 30 GB of experts) and on the CPU otherwise, layer by layer under a progress bar;
-nothing is cached on disk. The host then holds both the bf16 experts (CPU experts compute
-from them) and the encoded ones.
+Encoding happens once, when the runtime is built (oled.runtime.build_runtime), on the device
+where there is one (seconds for LLaDA2.0-mini's 30 GB of experts) and on the CPU otherwise,
+layer by layer under a progress bar; nothing is cached on disk. The host then holds both the
+bf16 experts (CPU experts compute from them) and the encoded ones.
 """
 
 from __future__ import annotations
