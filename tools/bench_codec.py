@@ -5,7 +5,8 @@ For each codec: the encoded share of the bytes over every MoE layer's experts (o
 --layers), whether the round trip is bit-exact, and on CUDA the decoder's throughput (bf16
 bytes written per second; LANDING experts per launch, the engine's round, timed with events
 over --reps replays of its graph) and the time to bring LANDING experts from pinned memory
-into slots: plain rows by copy, encoded rows by copy and decode (oled.offload.encoded).
+into slots: plain rows by copy, encoded rows by copy and decode (oled.offload.encoded; one
+round decodes while the next lands, as in the engine).
 
     python tools/bench_codec.py --model /tmp/oled-mini-shape --json codec.json
 """
@@ -111,10 +112,12 @@ def timings(store: ExpertStore, enc: EncodedCopies, dev: torch.device, reps: int
         for _ in range(3):
             fn()
         stream.synchronize()
+        enc.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         for _ in range(reps):
             fn()
+        stream.wait_stream(enc.stream)  # encoded copies are complete on the decoder's stream
         end.record(stream)
         end.synchronize()
         enc.reset()
@@ -123,9 +126,9 @@ def timings(store: ExpertStore, enc: EncodedCopies, dev: torch.device, reps: int
     plain_ms = timed(lambda: launch(plain_src, dst, experts, into, stream))
     landed_ms = timed(lambda: launch(enc.rows[0], enc.landing, experts, into, stream))
     both_ms = timed(lambda: enc.launch(0, experts, into, dst, stream))
-    # the decoder alone: the landed rows decoded again
+    # the decoder alone: the rows landed in part 0 decoded again
     enc.launch(0, experts, into, dst, stream)
-    stream.synchronize()
+    enc.synchronize()
     decode_ms = timed(lambda: replay(enc, stream))
     ok = torch.equal(slots13[0].cpu().view(torch.int16), store.w13[0][0].view(torch.int16))
     bf16 = k * store.expert_bytes
@@ -139,7 +142,7 @@ def timings(store: ExpertStore, enc: EncodedCopies, dev: torch.device, reps: int
 
 def replay(enc: EncodedCopies, stream: torch.cuda.Stream) -> None:
     with torch.cuda.stream(stream):
-        enc.graph.replay()
+        enc.graphs[0].replay()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 /* The offload engine's static layer call in C (oled/offload/driver.py loads it with plan.c, from
  * oled/policies/): the plan (oled_plan), then every launch of the layer through the CUDA runtime,
  * in the order of the engine's Python path (oled/offload/launches.py): the copies into cache
- * slots on the copy stream between two timing events, the CPU experts' activations to pinned host memory, the
- * slot maps, the hits' pass graph, the wait for the copies, the copied experts' pass graph,
+ * slots (timed from the copy stream to where they are complete), the CPU experts' activations
+ * to pinned host memory, the slot maps, the hits' pass graph, the wait for the copies, the copied experts' pass graph,
  * then the staged rounds (each waits for the earlier users of its part of the stage, copies,
  * waits, passes).
  *
@@ -29,6 +29,7 @@ typedef int (*create_fn)(void **event);
 typedef int (*elapsed_fn)(float *ms, void *start, void *end);
 
 enum { H2D = 1, D2H = 2 };    /* cudaMemcpyKind */
+enum { LAND_PARTS = 2 };      /* landing rounds in flight (oled.offload.encoded.PARTS) */
 enum { LOG_COPY, LOG_STALL }; /* what a logged event pair timed */
 /* Columns of Drive.counts' rows: what the engine's metrics add per layer call. */
 enum { C_HITS, C_MISSES, C_COPIES, C_STAGED, C_CPU_EXPERTS, C_CPU_TOKENS, C_GPU_EXPERTS,
@@ -62,12 +63,17 @@ typedef struct {
     void **srcs, **dsts;        /* [2 E] batched copy arguments */
     size_t *sizes, failed, attr_index;
     int64_t error;              /* the runtime's error code of a failed call */
-    /* Encoded copies (oled.offload.encoded; decode_exec NULL: plain rows): the rows land in the
-     * landing tables, land_rows at a time, and the decoder graph decodes them into their
-     * destination rows (plain13/plain2 bytes each) on the copy stream, the rows listed in a
-     * descriptor sent from the pinned ring desc_host ([desc_cap, desc_stride] int64; *desc_used
-     * taken, shared with the Python path) to desc_dev. Offsets are from land13. */
-    void *decode_exec;
+    /* Encoded copies (oled.offload.encoded; decode_execs NULL: plain rows): the rows land in
+     * part p = (ring index) % LAND_PARTS of the landing tables, land_rows at a time, and part
+     * p's decoder graph decodes them into their destination rows (plain13/plain2 bytes each)
+     * on the decoder's stream, the rows listed in a descriptor sent on the copy stream from the
+     * pinned ring desc_host ([desc_cap, desc_stride] int64; *desc_used taken, shared with the
+     * Python path) to part p's row of desc_dev [LAND_PARTS, desc_stride]. Offsets are from
+     * land13. land_events [2, LAND_PARTS]: each part's event after its landing, after its
+     * decode (the Python path's too). */
+    void *decoder;
+    const int64_t *decode_execs; /* [LAND_PARTS] */
+    void *const *land_events;
     int64_t land13, land2, land_rows, plain13, plain2;
     int64_t *desc_host, desc_dev, desc_stride, desc_cap;
     int64_t *desc_used;
@@ -146,48 +152,68 @@ static void fill_rows(Drive *d, int64_t layer, const int64_t *e, const int64_t *
     }
 }
 
-/* The decoder's descriptor of n landed experts -> rows s[i] of (d13, d2), sent to the device
- * and decoded there, on the copy stream. */
-static int64_t decode(Drive *d, const int64_t *s, int64_t n, int64_t d13, int64_t d2) {
-    int64_t *q = d->desc_host + (*d->desc_used)++ * d->desc_stride, base = d->land13;
+/* The decoder's descriptor of n experts landed in part p -> rows s[i] of (d13, d2), sent to the
+ * part's descriptor row on the copy stream. */
+static int64_t describe(Drive *d, int64_t p, const int64_t *s, int64_t n, int64_t d13,
+                        int64_t d2) {
+    int64_t *q = d->desc_host + *d->desc_used * d->desc_stride, base = d->land13;
     q[0] = 2 * n; /* then (source, destination) offsets from land13: the w13 rows, the w2 rows */
     for (int64_t i = 0; i < n; i++) {
-        q[1 + 2 * i] = i * d->size13;
+        int64_t row = p * d->land_rows + i;
+        q[1 + 2 * i] = row * d->size13;
         q[2 + 2 * i] = d13 + s[i] * d->plain13 - base;
-        q[1 + 2 * (n + i)] = d->land2 - base + i * d->size2;
+        q[1 + 2 * (n + i)] = d->land2 - base + row * d->size2;
         q[2 + 2 * (n + i)] = d2 + s[i] * d->plain2 - base;
     }
-    CHECK(d->memcpy_async((void *)(intptr_t)d->desc_dev, q, (size_t)(8 * (1 + 4 * n)), H2D,
-                          d->copy));
-    CHECK(d->launch(d->decode_exec, d->copy));
+    int64_t dev = d->desc_dev + 8 * p * d->desc_stride;
+    CHECK(d->memcpy_async((void *)(intptr_t)dev, q, (size_t)(8 * (1 + 4 * n)), H2D, d->copy));
     return 0;
 }
 
-/* Copy experts e[i] of the layer's sources into rows s[i] of the tables (d13, d2); timed on
- * the copy stream; *done: the event they complete. Encoded rows go through the landing tables
- * in rounds, each decoded before the next lands. */
+/* One landing round of n experts e[i] -> rows s[i] of (d13, d2), in the part the ring's next
+ * descriptor picks: on the copy stream, wait for the part's last decode, send the descriptor,
+ * land the rows; on the decoder's stream, wait for them and decode. */
+static int64_t land(Drive *d, int64_t layer, const int64_t *e, const int64_t *s, int64_t n,
+                    int64_t d13, int64_t d2) {
+    int64_t p = *d->desc_used % LAND_PARTS;
+    void *landed = d->land_events[p], *decoded = d->land_events[LAND_PARTS + p];
+    CHECK(d->wait(d->copy, decoded, 0));
+    if (describe(d, p, s, n, d13, d2)) return -2;
+    (*d->desc_used)++;
+    int64_t at = p * d->land_rows;
+    fill_rows(d, layer, e, NULL, n, d->land13 + at * d->size13, d->land2 + at * d->size2);
+    if (issue(d, 2 * n)) return -2;
+    CHECK(d->record(landed, d->copy));
+    CHECK(d->wait(d->decoder, landed, 0));
+    CHECK(d->launch((void *)(intptr_t)d->decode_execs[p], d->decoder));
+    CHECK(d->record(decoded, d->decoder));
+    return 0;
+}
+
+/* Copy experts e[i] of the layer's sources into rows s[i] of the tables (d13, d2), timed from
+ * the copy stream to where they are complete; *done: the event they complete. Encoded rows go
+ * through the landing parts in rounds, decoded on the decoder's stream. */
 static int64_t copies(Drive *d, int64_t layer, const int64_t *e, const int64_t *s, int64_t n,
                       int64_t d13, int64_t d2, void **done) {
     void *begin;
     if (record(d, d->copy, &begin)) return -2;
-    if (!d->decode_exec) {
+    if (!d->decode_execs) {
         fill_rows(d, layer, e, s, n, d13, d2);
         if (issue(d, 2 * n)) return -2;
     } else {
         for (int64_t lo = 0; lo < n; lo += d->land_rows) {
             int64_t k = n - lo < d->land_rows ? n - lo : d->land_rows;
-            fill_rows(d, layer, e + lo, NULL, k, d->land13, d->land2);
-            if (issue(d, 2 * k) || decode(d, s + lo, k, d13, d2)) return -2;
+            if (land(d, layer, e + lo, s + lo, k, d13, d2)) return -2;
         }
     }
-    if (record(d, d->copy, done)) return -2;
+    if (record(d, d->decode_execs ? d->decoder : d->copy, done)) return -2;
     log_pair(d, layer, LOG_COPY, begin, *done);
     return 0;
 }
 
 /* Descriptor rounds that copying n experts takes (0 for plain rows). */
 static int64_t rounds_of(const Drive *d, int64_t n) {
-    return d->decode_exec ? (n + d->land_rows - 1) / d->land_rows : 0;
+    return d->decode_execs ? (n + d->land_rows - 1) / d->land_rows : 0;
 }
 
 /* The compute stream waits for `copied`, timed as the layer's stall. */
@@ -327,7 +353,8 @@ static const ContractRow DRIVE_FIELDS[] = {
     FIELD(Drive, log), FIELD(Drive, log_cap), FIELD(Drive, logged), FIELD(Drive, stage_free),
     FIELD(Drive, cpu_ready), FIELD(Drive, counts), FIELD(Drive, srcs), FIELD(Drive, dsts),
     FIELD(Drive, sizes), FIELD(Drive, failed), FIELD(Drive, attr_index), FIELD(Drive, error),
-    FIELD(Drive, decode_exec), FIELD(Drive, land13), FIELD(Drive, land2), FIELD(Drive, land_rows),
+    FIELD(Drive, decoder), FIELD(Drive, decode_execs), FIELD(Drive, land_events),
+    FIELD(Drive, land13), FIELD(Drive, land2), FIELD(Drive, land_rows),
     FIELD(Drive, plain13), FIELD(Drive, plain2), FIELD(Drive, desc_host), FIELD(Drive, desc_dev),
     FIELD(Drive, desc_stride), FIELD(Drive, desc_cap), FIELD(Drive, desc_used),
 };
@@ -344,11 +371,14 @@ static const ContractRow COUNT_NAMES[] = {
     ENTRY("calls", C_CALLS), ENTRY("copy_ms", C_COPY_MS), ENTRY("stall_ms", C_STALL_MS),
 };
 _Static_assert(N_ROWS(COUNT_NAMES) == N_COUNTS, "every counts column has a name");
+/* oled.offload.encoded: the landing buffer's parts. */
+static const ContractRow LANDING[] = {ENTRY("parts", LAND_PARTS)};
 
 static const Contract CONTRACT[] = {
     STRUCT(Drive, DRIVE_FIELDS),
     STRUCT(Call, CALL_FIELDS),
     TABLE("counts", COUNT_NAMES),
+    TABLE("landing", LANDING),
 };
 
 /* drive.c's contract: *out = its tables; returns their number. */

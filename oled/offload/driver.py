@@ -29,6 +29,7 @@ from oled.offload.copies import (
     runtime_function,
     runtime_memcpy_batch,
 )
+from oled.offload.encoded import PARTS
 from oled.policies import native
 
 if TYPE_CHECKING:
@@ -61,9 +62,9 @@ class Drive(ctypes.Structure):
         ("logged", _i), ("stage_free", _p), ("cpu_ready", _p), ("counts", _p),
         ("srcs", _p), ("dsts", _p), ("sizes", _p), ("failed", ctypes.c_size_t),
         ("attr_index", ctypes.c_size_t), ("error", _i),
-        ("decode_exec", _p), ("land13", _i), ("land2", _i), ("land_rows", _i), ("plain13", _i),
-        ("plain2", _i), ("desc_host", _p), ("desc_dev", _i), ("desc_stride", _i),
-        ("desc_cap", _i), ("desc_used", _p),
+        ("decoder", _p), ("decode_execs", _p), ("land_events", _p), ("land13", _i),
+        ("land2", _i), ("land_rows", _i), ("plain13", _i), ("plain2", _i), ("desc_host", _p),
+        ("desc_dev", _i), ("desc_stride", _i), ("desc_cap", _i), ("desc_used", _p),
     ]  # fmt: skip
 
 
@@ -85,7 +86,7 @@ def library() -> ctypes.CDLL:
 def _checked(lib: ctypes.CDLL) -> ctypes.CDLL:
     """drive.c's contract checked once per loaded library (a ContractError, not remembered,
     when it does not hold), and its entry points declared."""
-    tables = {"counts": {name: i for i, name in enumerate(COUNTS)}}
+    tables = {"counts": {name: i for i, name in enumerate(COUNTS)}, "landing": {"parts": PARTS}}
     native.check(lib, "drive", {"Drive": Drive, "Call": Call}, tables)
     lib.oled_layer.restype = _i
     lib.oled_layer.argtypes = [_p, _p, _i, _i, _i, ctypes.c_double, _i]

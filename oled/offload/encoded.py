@@ -1,14 +1,18 @@
 """Encoded expert copies: the host keeps every expert also encoded (oled.model.codec), a miss
 copies the encoded rows, and the device decodes them into the slot.
 
-The encoded rows land in a small landing buffer on the device, LANDING experts at a time; each
-round's rows are then decoded on the copy stream, straight into the destination rows (a layer's
-slot table or the stage), before the next round lands. The decoder is one Triton launch over a
-descriptor of (source, destination) offsets, captured once as a CUDA graph, so the engine's
-Python path and drive.c (oled.offload.driver) launch the same graph after sending the
-descriptor from a pinned ring. The ring is taken in order within an iteration and is free again
-once the engine has synchronised its streams (`reset`); a path that finds it full synchronises
-the copy stream first (Python) or declines (C).
+The encoded rows land in a small landing buffer on the device, LANDING experts a round, in
+PARTS parts taken in turn; each round's rows are then decoded on a stream of their own (the
+decoder's), straight into the destination rows (a layer's slot table or the stage), while the
+next round lands in the other part. A round waits on the copy stream for the decode that last
+read its part (`decoded`), and its decode waits for its landing (`landed`): the copy stream
+never waits for a decode of the round before. The decoder is one Triton launch over a
+descriptor of (source, destination) offsets, captured once per part as a CUDA graph over that
+part's descriptor buffer, so the engine's Python path and drive.c (oled.offload.driver) launch
+the same graphs and wait on the same events after sending the descriptor from a pinned ring on
+the copy stream. The ring is taken in order within an iteration (its index picks the part) and
+is free again once the engine has synchronised its streams (`reset`); a path that finds it full
+synchronises the copy stream first (Python) or declines (C).
 
 Encoding happens once, when the runtime is built (oled.runtime.build_runtime), on the device
 where there is one (seconds for LLaDA2.0-mini's 30 GB of experts) and on the CPU otherwise,
@@ -31,6 +35,7 @@ from oled.offload.copies import Rows, launch, transfer
 from oled.progress import track
 
 LANDING = 16  # experts per landing round
+PARTS = 2  # landing rounds in flight: one decodes while the next lands
 RING = 4096  # descriptor rounds per iteration before the ring is waited for
 GROUP = 8  # experts encoded together (bounded memory: about 1 GB for LLaDA2.0-mini)
 
@@ -57,34 +62,48 @@ class EncodedCopies:
         self.landing = Rows.of(*land)
         self.stride = 1 + 4 * LANDING  # int64 per descriptor: count, then (src, dst) pairs
         self.used = np.zeros(1, np.int64)  # descriptors taken since the last reset (C too)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] = []  # the decoder of each part
+        self.stream: torch.cuda.Stream | None = None  # the decoder's
         if self.cuda:
             self.ring = torch.zeros(RING, self.stride, dtype=torch.int64, pin_memory=True)
-            self.desc = torch.zeros(self.stride, dtype=torch.int64, device=device)
-            self.graph = self._capture()
+            self.desc = torch.zeros(PARTS, self.stride, dtype=torch.int64, device=device)
+            self.stream = torch.cuda.Stream(device)
+            self.graphs = [self._capture(part) for part in range(PARTS)]
+            # per part: after its landing (copy stream), after its decode (decoder's stream)
+            self.landed = [self._event(torch.cuda.current_stream(device)) for _ in range(PARTS)]
+            self.decoded = [self._event(self.stream) for _ in range(PARTS)]
+        self._drive: tuple[np.ndarray, np.ndarray] | None = None  # what drive.c reads
 
     def _landing(self, which: int) -> Tensor:
-        return torch.empty(LANDING, self.row_bytes[which], dtype=torch.uint8, device=self.device)
+        rows = PARTS * LANDING  # part p: rows [p LANDING, (p + 1) LANDING)
+        return torch.empty(rows, self.row_bytes[which], dtype=torch.uint8, device=self.device)
+
+    @staticmethod
+    def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """An event recorded once (so that it has a handle for drive.c)."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     @property
     def ratio(self) -> float:
         """Encoded bytes per bf16 byte of an expert (the rows as copied, padding included)."""
         return self.expert_bytes / (2 * sum(self.n))
 
-    def _capture(self) -> torch.cuda.CUDAGraph:
-        """The decoder over the descriptor buffer as a CUDA graph (compiled and run once on an
-        empty list first)."""
+    def _capture(self, part: int) -> torch.cuda.CUDAGraph:
+        """The decoder over part `part`'s descriptor buffer as a CUDA graph (compiled and run
+        once on an empty list first)."""
         from oled.kernels.codec import decode_listed
 
         tag = codec.FP8 if self.codec == "fp8" else codec.LOSSLESS
         chunks = -(-max(self.n) // codec.CHUNK)
 
         def run() -> None:
-            decode_listed(tag, self.desc, self.land13, 2 * LANDING, chunks)
+            decode_listed(tag, self.desc[part], self.land13, 2 * LANDING, chunks)
 
         stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(stream):
-            self.desc.zero_()
+            self.desc[part].zero_()
             run()
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -92,10 +111,18 @@ class EncodedCopies:
             run()
         return graph
 
-    def drive_fields(self) -> dict[str, int]:
-        """drive.c's fields for launching these copies from C (oled.offload.driver.Drive)."""
+    def drive_fields(self) -> dict[str, object]:
+        """drive.c's fields for launching these copies from C (oled.offload.driver.Drive; the
+        arrays they point to, made on the first call, live as long as this object)."""
+        if self._drive is None:  # each part's graph; its events [2, PARTS]: landed, decoded
+            self._drive = (
+                np.array([g.raw_cuda_graph_exec() for g in self.graphs], np.int64),
+                np.array([e.cuda_event for e in (*self.landed, *self.decoded)], np.uint64),
+            )
+        execs, events = self._drive
         return {
-            "decode_exec": self.graph.raw_cuda_graph_exec(),
+            "decoder": self.stream.cuda_stream, "decode_execs": execs.ctypes.data,
+            "land_events": events.ctypes.data,
             "land13": self.land13.data_ptr(), "land2": self.land2.data_ptr(),
             "land_rows": LANDING, "desc_host": self.ring.data_ptr(),
             "desc_dev": self.desc.data_ptr(), "desc_stride": self.stride, "desc_cap": RING,
@@ -105,36 +132,54 @@ class EncodedCopies:
     def launch(
         self, layer: int, experts, slots, dst: Rows, stream: torch.cuda.Stream | None
     ) -> None:
-        """Copy the layer's `experts` into rows `slots` of `dst` (bf16 tables), decoding on
-        `stream` (None: at once, on the CPU)."""
+        """Copy the layer's `experts` into rows `slots` of `dst` (bf16 tables): landed on
+        `stream` and decoded on the decoder's (`self.stream`: complete there), or at once on the
+        CPU (`stream` None)."""
         experts, slots = np.asarray(experts, np.int64), np.asarray(slots, np.int64)
         for lo in range(0, len(experts), LANDING):
             part, into = experts[lo : lo + LANDING], slots[lo : lo + LANDING]
-            launch(self.rows[layer], self.landing, part, np.arange(len(part)), stream)
             if stream is None:
+                launch(self.rows[layer], self.landing, part, np.arange(len(part)), None)
                 self._decode_here(into, dst)
             else:
-                self._decode_on(stream, into, dst)
+                self._round(layer, stream, part, into, dst)
 
-    def _decode_on(self, stream: torch.cuda.Stream, slots: np.ndarray, dst: Rows) -> None:
-        """The decoder's descriptor for rows `slots` of `dst`, sent and decoded on `stream`."""
+    def _round(self, layer: int, copy: torch.cuda.Stream, experts, slots, dst: Rows) -> None:
+        """One landing round: on `copy`, wait until the part's last decode is done, send the
+        descriptor for rows `slots` of `dst`, land the encoded `experts`; on the decoder's
+        stream, decode once they have landed."""
         if self.used[0] >= RING:  # every earlier descriptor has been read once this returns
-            stream.synchronize()
+            copy.synchronize()
             self.used[0] = 0
-        q = self.ring[int(self.used[0])].numpy()
+        i = int(self.used[0])
         self.used[0] += 1
+        p, k = i % PARTS, len(slots)
+        q = self.ring[i].numpy()
+        q[: 1 + 4 * k] = self._descriptor(p, slots, dst)
+        copy.wait_event(self.decoded[p])
+        transfer(self.desc[p, : 1 + 4 * k], self.ring[i, : 1 + 4 * k], copy)
+        launch(self.rows[layer], self.landing, experts, p * LANDING + np.arange(k), copy)
+        self.landed[p].record(copy)
+        self.stream.wait_event(self.landed[p])
+        with torch.cuda.stream(self.stream):
+            self.graphs[p].replay()
+        self.decoded[p].record(self.stream)
+
+    def _descriptor(self, part: int, slots: np.ndarray, dst: Rows) -> np.ndarray:
+        """The decoder's list [1 + 4k] for part `part`'s first k landed rows -> rows `slots`
+        of `dst`: the count, then (source, destination) offsets from the landing base, the
+        w13 rows, then the w2 rows."""
         k, base = len(slots), self.land13.data_ptr()
+        q = np.empty(1 + 4 * k, np.int64)
         q[0] = 2 * k
-        for t, (landed, size, dst_base, dst_size) in enumerate(
-            ((self.land13, self.row_bytes[0], dst.base[0], dst.size[0]),
-             (self.land2, self.row_bytes[1], dst.base[1], dst.size[1]))
-        ):  # fmt: skip
+        landed = part * LANDING + np.arange(k)
+        for t, (table, dst_base, dst_size) in enumerate(
+            ((self.land13, dst.base[0], dst.size[0]), (self.land2, dst.base[1], dst.size[1]))
+        ):
             at = 1 + 2 * k * t + 2 * np.arange(k)
-            q[at] = landed.data_ptr() + np.arange(k) * size - base
+            q[at] = table.data_ptr() + landed * self.row_bytes[t] - base
             q[at + 1] = dst_base + slots * dst_size - base
-        transfer(self.desc[: 1 + 4 * k], self.ring[int(self.used[0]) - 1, : 1 + 4 * k], stream)
-        with torch.cuda.stream(stream):
-            self.graph.replay()
+        return q
 
     def _decode_here(self, slots: np.ndarray, dst: Rows) -> None:
         """Decode the landed rows into rows `slots` of `dst` with the reference decoder."""
@@ -145,8 +190,13 @@ class EncodedCopies:
                 for j, slot in enumerate(slots):
                     dst.views[t][int(slot)].copy_(decoded[j].view(self.shapes[t]))
 
+    def synchronize(self) -> None:
+        """Wait until every decode issued so far is done."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
     def reset(self) -> None:
-        """Both streams are idle: every descriptor has been read."""
+        """The engine's streams and the decoder's are idle: every descriptor has been read."""
         self.used[0] = 0
 
 

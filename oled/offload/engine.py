@@ -95,6 +95,10 @@ class OffloadEngine(DecodeObserver):
         self.maps_dev = torch.full((layers, rows, self.num_experts), -1, device=device)
         planner.attach_maps(self.maps_host.numpy())  # plans write the maps straight into it
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        # where copies are complete: the copy stream, or the decoder's for encoded copies
+        self.finish_stream = self.copy_stream
+        if self.encoded is not None and self.cuda:
+            self.finish_stream = self.encoded.stream
         self._stage_free: torch.cuda.Event | None = None
         self.metrics = EngineMetrics(layers)
         self._routing: list[tuple[np.ndarray, np.ndarray] | None] = [None] * layers
@@ -136,7 +140,7 @@ class OffloadEngine(DecodeObserver):
                 slots = cache.slot_of[experts].astype(np.int64)
                 self._launch_copies(layer, experts, slots, self.cache_rows[layer])
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.finish_stream)
 
     # -- the hot path ---------------------------------------------------------------------------
 
@@ -467,6 +471,7 @@ class OffloadEngine(DecodeObserver):
             return
         torch.cuda.current_stream(self.device).synchronize()
         self.copy_stream.synchronize()
+        self.finish_stream.synchronize()
         if driven:
             self.driver.collect_events()
         for layer, start, end, *kind in self._events:
@@ -484,7 +489,7 @@ class _PythonLaunch:
     """The engine's side of one layer call launched from Python (launches.Launcher): the
     engine's streams, timing events and tables; the request and its pairs [T, K, H] fp32."""
 
-    __slots__ = ("engine", "r", "pairs", "static", "next_np", "compute", "copy",
+    __slots__ = ("engine", "r", "pairs", "static", "next_np", "compute", "copy", "finish",
                  "stage_capacity", "ahead", "stage_free", "maps", "x_host", "launched")  # fmt: skip
 
     def __init__(
@@ -496,7 +501,7 @@ class _PythonLaunch:
         self.engine = e = engine
         self.r, self.pairs, self.next_np = r, into, next_np
         self.static = into is not None and e.graphs is not None
-        self.compute, self.copy = e._compute, e.copy_stream
+        self.compute, self.copy, self.finish = e._compute, e.copy_stream, e.finish_stream
         self.stage_capacity = e.planner.stage_capacity
         self.ahead, e._ahead[r.layer] = e._ahead[r.layer], None
         self.stage_free = e._stage_free  # the engine takes it back after the passes

@@ -2,7 +2,8 @@
 issues them on its streams (oled.offload.engine), drive.c issues the same from C
 (oled.offload.driver), and tests record both through stand-ins to compare them.
 
-The order: the copies into cache slots on the copy stream between two timing events; the CPU
+The order: the copies into cache slots, from a timing event on the copy stream to one on the
+stream where they are complete (the copy stream, or the decoder's for encoded copies); the CPU
 experts' activations to pinned host memory and the event after them; the slot maps; the wait for
 copies ahead into this layer (timed as a stall); the hits' pass; the wait for this layer's copies
 (timed as a stall) and the copied experts' pass; then each staged round: the copy stream waits
@@ -27,6 +28,7 @@ class Launcher(Protocol):
 
     compute: Any  # the layer call's stream
     copy: Any  # the copy stream
+    finish: Any  # where copies are complete: the copy stream, or the decoder's (encoded)
     stage_capacity: int  # experts per staged round
     ahead: Any  # the event of copies ahead into this layer's cache (None: none pending)
     stage_free: Any  # the event after the stage's last users (None: the stage is free)
@@ -109,12 +111,13 @@ def launch_passes(rt: Launcher, layer: int, plan: LayerPlan, ready: Any) -> None
 def timed_copies(
     rt: Launcher, layer: int, experts: np.ndarray, slots: np.ndarray, stage: bool
 ) -> Any:
-    """The copies of the layer's `experts` into `slots` between two events on the copy stream,
-    timed as the layer's copy time; the event they complete (None without streams, where
+    """The copies of the layer's `experts` into `slots` from an event on the copy stream to one
+    where they are complete, timed as the layer's copy time (encoded copies: a round's decode
+    may overlap the next copies' time); the event they complete (None without streams, where
     copies are synchronous)."""
     begin = rt.record(rt.copy)
     rt.copy_rows(layer, experts, slots, stage)
-    done = rt.record(rt.copy)
+    done = rt.record(rt.finish)
     rt.timed(layer, begin, done, True)
     return done
 

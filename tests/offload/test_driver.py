@@ -14,6 +14,7 @@ import pytest
 
 from oled.offload import driver
 from oled.offload.driver import COUNTS, Call, Drive
+from oled.offload.encoded import PARTS
 from oled.offload.launches import launch_layer
 from oled.policies import compensation as C
 from oled.policies import native
@@ -140,7 +141,7 @@ class Recorder:
     """A launches.Launcher over the test's tables: the Python path's runtime calls as
     Runtime's tuples (events numbered from 1), its timed event pairs as drive.c logs them."""
 
-    compute, copy, stage_capacity, ahead = COMPUTE, COPY, STAGE_CAPACITY, None
+    compute, copy, finish, stage_capacity, ahead = COMPUTE, COPY, COPY, STAGE_CAPACITY, None
 
     def __init__(self, maps: np.ndarray) -> None:
         self.maps = maps
@@ -341,64 +342,82 @@ def test_batched_copies_carry_the_same_rows():
     assert [(c[1], c[2]) for c in copies[:n]] == want
 
 
-LAND13, LAND2, LAND_ROWS, DESC_DEV, DECODER = 11 * 10**9, 12 * 10**9, 2, 13 * 10**9, 999
+LAND13, LAND2, LAND_ROWS, DESC_DEV, DECODER = 11 * 10**9, 12 * 10**9, 2, 13 * 10**9, 73
+EXECS = (901, 902)  # the decoder graph of each landing part
+LANDED, DECODED = (
+    (9001, 9002),
+    (9003, 9004),
+)  # each part's events: after its landing, after its decode
 P13, P2 = 1600, 800  # bf16 bytes of a row; the encoded rows are Z13, Z2
 
 
-def test_encoded_copies_land_in_rounds_and_are_decoded_into_their_slots():
-    """With a decoder (oled.offload.encoded): each round of LAND_ROWS experts is copied into
-    the landing rows, its descriptor sent from the ring and the decoder graph launched, all on
-    the copy stream; the descriptor maps every landed row to its slot; the ring is counted."""
+def with_decoder(d: Drive, ring_rows: int, used: int = 0) -> tuple[np.ndarray, np.ndarray, list]:
+    """Point d at a decoder (oled.offload.encoded): its ring [ring_rows, stride] and count of
+    taken descriptors, and the arrays d reads (keep them alive)."""
+    ring = np.zeros((ring_rows, 1 + 4 * LAND_ROWS), np.int64)
+    taken = np.full(1, used, np.int64)
+    execs = np.array(EXECS, np.int64)
+    events = (_p * (2 * PARTS))(*LANDED, *DECODED)
+    d.decoder, d.decode_execs, d.land_events = DECODER, execs.ctypes.data, ctypes.addressof(events)
+    d.land13, d.land2, d.land_rows, d.plain13, d.plain2 = LAND13, LAND2, LAND_ROWS, P13, P2
+    d.desc_host, d.desc_dev, d.desc_stride = ring.ctypes.data, DESC_DEV, ring.shape[1]
+    d.desc_cap, d.desc_used = ring_rows, taken.ctypes.data
+    return ring, taken, [execs, events]
+
+
+def test_encoded_copies_land_in_turns_and_decode_on_their_own_stream():
+    """With a decoder: each round of LAND_ROWS experts waits on the copy stream for the last
+    decode of its landing part (the parts taken in turn by ring index, across calls), sends
+    its descriptor to the part's row, lands in the part's rows and records the part's landing;
+    the decoder's stream waits for it, replays the part's graph and records the decode. The
+    descriptor maps every landed row to its slot; the copies are timed to the decoder's stream
+    and the compute stream waits there."""
     p, d, call, rt, (*_, routing) = setup(C.TransferOnly())
-    ring = np.zeros((32, 1 + 4 * LAND_ROWS), np.int64)
-    used = np.zeros(1, np.int64)
-    d.decode_exec, d.land13, d.land2, d.land_rows = DECODER, LAND13, LAND2, LAND_ROWS
-    d.plain13, d.plain2 = P13, P2
-    d.desc_host, d.desc_dev, d.desc_stride, d.desc_cap = (
-        ring.ctypes.data,
-        DESC_DEV,
-        ring.shape[1],
-        32,
-    )
-    d.desc_used = used.ctypes.data
+    ring, used, _keep = with_decoder(d, 64)
     ids = np.arange(T * K).reshape(T, K) % E  # misses everywhere: copies needed
-    assert run(p, d, call, routing, 0, ids, np.ones((T, K), np.float32)) == 1
-    plan = p.native.unpack(0)
-    experts, slots = plan.copy_experts, plan.copy_slots
-    rounds = -(-len(experts) // LAND_ROWS)
-    assert rounds > 1 and used[0] == rounds + sum(
-        -(-min(STAGE_CAPACITY, len(plan.stage_experts) - lo) // LAND_ROWS)
-        for lo in range(0, len(plan.stage_experts), STAGE_CAPACITY)
-    )
-    first = [c for c in rt.calls if c[0] == "graph" and c[1] == DECODER]
-    assert len(first) == used[0] and all(c[2] == COPY for c in first)
-    for r in range(rounds):
-        part, into = experts[2 * r : 2 * r + 2], slots[2 * r : 2 * r + 2]
-        k = len(part)
-        q = ring[r]
-        assert q[0] == 2 * k
-        landed = [LAND13 + i * Z13 - LAND13 for i in range(k)] + [
-            LAND2 + i * Z2 - LAND13 for i in range(k)
-        ]
-        dest = [CACHE13 + s * P13 - LAND13 for s in into] + [CACHE2 + s * P2 - LAND13 for s in into]
-        assert q[1 : 1 + 4 * k : 2].tolist() == landed and q[2 : 2 + 4 * k : 2].tolist() == dest
-    copies = [c for c in rt.calls if c[0] == "copy" and c[5] == COPY]
-    assert copies[0][1:3] == (LAND13, SRC13 + experts[0] * Z13)  # landing row 0
-    sent = [c for c in copies if c[1] == DESC_DEV]
-    assert [c[2] for c in sent[:rounds]] == [ring[r].ctypes.data for r in range(rounds)]
+    taken = 0
+    for step in range(2):
+        p.begin_step(step=step, block=0)
+        rt.calls.clear()
+        assert run(p, d, call, routing, 0, ids, np.ones((T, K), np.float32)) == 1
+        plan = p.native.unpack(0)
+        experts, slots = plan.copy_experts, plan.copy_slots
+        staged = [len(plan.stage_experts[lo : lo + STAGE_CAPACITY])
+                  for lo in range(0, len(plan.stage_experts), STAGE_CAPACITY)]  # fmt: skip
+        rounds = -(-len(experts) // LAND_ROWS)
+        assert used[0] - taken == rounds + sum(-(-n // LAND_ROWS) for n in staged) > PARTS
+        assert rounds > 1 or step > 0  # the second call: hits and staged rounds
+        graphs = [c for c in rt.calls if c[0] == "graph" and c[2] == DECODER]
+        assert [c[1] for c in graphs] == [EXECS[(taken + i) % PARTS] for i in range(len(graphs))]
+        for r in range(rounds):  # the cache's copies
+            i = taken + r
+            part, into = i % PARTS, slots[LAND_ROWS * r : LAND_ROWS * (r + 1)]
+            k = len(into)
+            q, row = ring[i], part * LAND_ROWS + np.arange(k)
+            assert q[0] == 2 * k
+            landed = [*(row * Z13), *(LAND2 - LAND13 + row * Z2)]
+            dest = [*(CACHE13 + into * P13 - LAND13), *(CACHE2 + into * P2 - LAND13)]
+            assert q[1 : 1 + 4 * k : 2].tolist() == landed and q[2 : 2 + 4 * k : 2].tolist() == dest
+            desc = DESC_DEV + 8 * part * ring.shape[1]
+            at = rt.calls.index(("copy", desc, ring[i].ctypes.data, 8 * (1 + 4 * k), 1, COPY))
+            assert rt.calls[at - 1] == ("wait", COPY, DECODED[part])
+            land = rt.calls[at + 1 : at + 1 + 2 * k]
+            assert [c[1:3] for c in land[:k]] == [
+                (LAND13 + (part * LAND_ROWS + j) * Z13, SRC13 + e * Z13)
+                for j, e in enumerate(experts[LAND_ROWS * r : LAND_ROWS * (r + 1)])
+            ]
+            assert rt.calls[at + 1 + 2 * k : at + 5 + 2 * k] == [
+                ("record", LANDED[part], COPY), ("wait", DECODER, LANDED[part]),
+                ("graph", EXECS[part], DECODER), ("record", DECODED[part], DECODER),
+            ]  # fmt: skip
+        waits = [c for c in rt.calls if c[0] == "wait" and c[1] == COMPUTE]
+        assert waits and all(rt.stream_of[c[2]] == DECODER for c in waits)
+        taken = int(used[0])
 
 
 def test_encoded_copies_decline_when_the_ring_is_full():
     p, d, call, rt, (*_, routing) = setup(C.TransferOnly())
-    ring, used = np.zeros((1, 1 + 4 * LAND_ROWS), np.int64), np.ones(1, np.int64)
-    d.decode_exec, d.land13, d.land2, d.land_rows = DECODER, LAND13, LAND2, LAND_ROWS
-    d.desc_host, d.desc_dev, d.desc_stride, d.desc_cap = (
-        ring.ctypes.data,
-        DESC_DEV,
-        ring.shape[1],
-        1,
-    )
-    d.desc_used = used.ctypes.data
+    _, used, _keep = with_decoder(d, 1, used=1)
     ids = np.arange(T * K).reshape(T, K) % E
     assert run(p, d, call, routing, 0, ids, np.ones((T, K), np.float32)) == 0
     assert rt.calls == [] and used[0] == 1
@@ -435,4 +454,7 @@ def test_a_drive_mirror_with_two_fields_swapped_is_refused_on_load(monkeypatch):
 def test_a_counts_table_out_of_order_is_refused():
     wrong = {name: i for i, name in enumerate(COUNTS)} | {"hits": 1, "misses": 0}
     with pytest.raises(native.ContractError, match="on the counts: 'hits' is 0 in C, 1 in Python"):
-        native.check(driver.library(), "drive", {"Drive": Drive, "Call": Call}, {"counts": wrong})
+        native.check(
+            driver.library(), "drive", {"Drive": Drive, "Call": Call},
+            {"counts": wrong, "landing": {"parts": PARTS}},
+        )  # fmt: skip

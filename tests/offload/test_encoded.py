@@ -5,6 +5,7 @@ says it is lossy (fp8)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +129,29 @@ def test_the_gpu_decoder_matches_the_reference(name):
     assert torch.equal(bits(out13[order]), bits(codec.decode(rows13, 64 * 96)))
     assert torch.equal(bits(out2[order]), bits(codec.decode(rows2, 96 * 32)))
     assert not out13[1].any()  # a row nobody listed stays as it was
+
+
+@pytest.mark.skipif(not kernels.interpreting(), reason="the Triton interpreter decodes on the CPU")
+def test_a_landing_parts_descriptor_decodes_its_rows_into_their_slots(tiny_dir):
+    """The engine's descriptor for landing part 1 (oled.offload.encoded: what drive.c writes
+    too) names that part's rows: decoded through it, the slots hold the experts exactly."""
+    from oled.kernels.codec import decode_listed
+    from oled.offload.copies import Rows, launch
+    from oled.offload.encoded import LANDING, PARTS
+
+    enc = offloaded(tiny_dir, "lossless").executor.encoded
+    store = offloaded(tiny_dir, "plain").executor.store
+    experts, slots = np.array([3, 0, 5]), np.array([1, 2, 0])
+    w13 = torch.zeros(4, *store.w13[0].shape[1:], dtype=torch.bfloat16)
+    w2 = torch.zeros(4, *store.w2[0].shape[1:], dtype=torch.bfloat16)
+    assert PARTS > 1
+    launch(enc.rows[1], enc.landing, experts, LANDING + np.arange(3), None)  # into part 1
+    desc = torch.from_numpy(enc._descriptor(1, slots, Rows.of(w13, w2)))
+    with kernels.serial():
+        decode_listed(codec.LOSSLESS, desc, enc.land13, 2 * LANDING, -(-max(enc.n) // codec.CHUNK))
+    assert torch.equal(bits(w13[slots]), bits(store.w13[1][experts]))
+    assert torch.equal(bits(w2[slots]), bits(store.w2[1][experts]))
+    assert not w13[3].any()
 
 
 def describe_rows(sources: list[torch.Tensor], targets: list[torch.Tensor], base: torch.Tensor):
