@@ -416,10 +416,7 @@ def build_runtime(
             kernels=kernels,
         )  # fmt: skip
     encoded = None if transfer == "plain" else EncodedCopies(ckpt.experts, transfer, dev, progress)
-    cost, costs = resolve_cost(cost, ckpt, dev)
-    if encoded is not None:  # the decisions see the bytes a copy moves
-        cost = transfer_cost(cost, encoded)
-        costs |= asdict(cost) | {"transfer": transfer, "copy_share": encoded.ratio}
+    cost, costs = decision_cost(cost, ckpt, dev, encoded)
     engine = make_engine(ckpt, dev, make_planner(
         ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost, prefetch,
         planner,
@@ -430,10 +427,17 @@ def build_runtime(
     )  # fmt: skip
 
 
-def transfer_cost(cost: CostModel, encoded: EncodedCopies | None) -> CostModel:
-    """The cost model for copies of `encoded` (None, plain rows: as it is): each copy moves
-    the encoded share of an expert's bytes (CostModel.for_transfer)."""
-    return cost if encoded is None else cost.for_transfer(encoded.ratio)
+def decision_cost(
+    cost: CostModel | str, ckpt: Checkpoint, dev: torch.device, encoded: EncodedCopies | None
+) -> tuple[CostModel, dict[str, Any]]:
+    """The cost model the decisions use (`resolve_cost`), its copies priced by the bytes they
+    move (`encoded`: the encoded share of an expert's bytes, CostModel.for_transfer; None:
+    plain rows), and its description for reports (with the transfer and its share)."""
+    cost, costs = resolve_cost(cost, ckpt, dev)
+    if encoded is None:
+        return cost, costs
+    cost = cost.for_transfer(encoded.ratio)
+    return cost, costs | asdict(cost) | {"transfer": encoded.codec, "copy_share": encoded.ratio}
 
 
 def make_engine(
@@ -445,7 +449,7 @@ def make_engine(
 ) -> OffloadEngine:
     """The offload engine over the checkpoint's experts, with the next layer's routing
     predicted from the model's routers when the planner prefetches; `driver`, `encoded`:
-    see OffloadEngine (give the planner `transfer_cost` of the same `encoded`)."""
+    see OffloadEngine (give the planner the `decision_cost` of the same `encoded`)."""
     predict = NextLayerRouting(ckpt.model) if planner.prefetch_limit else None
     return OffloadEngine(
         store=ckpt.experts, device=dev, planner=planner, predict=predict, driver=driver,

@@ -52,10 +52,9 @@ from oled.policies import compensation as C  # noqa: E402
 from oled.policies import retention as R  # noqa: E402
 from oled.runtime import (  # noqa: E402
     Runtime,
+    decision_cost,
     make_engine,
     make_planner,
-    resolve_cost,
-    transfer_cost,
 )
 
 if TYPE_CHECKING:
@@ -326,7 +325,7 @@ def offloaded_row(
     p = CONFIGS[c.name]()
     use_kernels(c.kernels)  # the cost calibration times the kernels the row runs
     transfer = bench.transfer(c.transfer)
-    cost = transfer_cost(resolve_cost(args.cost, ckpt, dev)[0], transfer)  # what a copy moves
+    cost, costs = decision_cost(args.cost, ckpt, dev, transfer)  # priced by what a copy moves
     planner = make_planner(
         ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], cost,
         c.prefetch, c.planner,
@@ -338,7 +337,8 @@ def offloaded_row(
         engine.predict = oracle
         observers.append(oracle)
     rt = Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=bench.decode,
-                 observers=observers, graphs=c.graphs, kernels=c.kernels)  # fmt: skip
+                 observers=observers, graphs=c.graphs, kernels=c.kernels,
+                 costs=costs)  # fmt: skip
     label = row_label(c, frac, recorded, planner.compiled, engine)
     bench.measure(rt, label, c.graphs)
     if hasattr(p["compensation"], "slowdown"):  # learned from the measured CPU experts
