@@ -30,7 +30,7 @@ from oled.model.experts import ResidentExperts
 from oled.model.graphs import EagerForward, GraphedForward
 from oled.model.presets import PRESETS, init_checkpoint
 from oled.offload.budget import KV_TOKENS, Budget
-from oled.offload.encoded import LANDING, PARTS, EncodedCopies
+from oled.offload.encoded import LANDING_ROWS, EncodedCopies
 from oled.offload.engine import OffloadEngine
 from oled.offload.predict import NextLayerRouting
 from oled.paths import cache_home
@@ -396,8 +396,7 @@ def build_runtime(
     path = resolve_model(model)
     cfg = ModelConfig.from_json(path)
     budget = budget or Budget()
-    landing = PARTS * LANDING if transfer != "plain" else 0
-    scratch = STAGE_ROUNDS * stage_capacity + landing
+    scratch = STAGE_ROUNDS * stage_capacity + (LANDING_ROWS if transfer != "plain" else 0)
     slots = total_slots(
         budget, cfg, dtype=torch_dtype, device=dev, kv_tokens=kv_tokens, scratch_experts=scratch
     )

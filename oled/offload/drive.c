@@ -2,9 +2,9 @@
  * oled/policies/): the plan (oled_plan), then every launch of the layer through the CUDA runtime,
  * in the order of the engine's Python path (oled/offload/launches.py): the copies into cache
  * slots (timed from the copy stream to where they are complete), the CPU experts' activations
- * to pinned host memory, the slot maps, the hits' pass graph, the wait for the copies, the copied experts' pass graph,
- * then the staged rounds (each waits for the earlier users of its part of the stage, copies,
- * waits, passes).
+ * to pinned host memory, the slot maps, the hits' pass graph, the wait for the copies, the
+ * copied experts' pass graph, then the staged rounds (each waits for the earlier users of its
+ * part of the stage, copies, waits, passes).
  *
  * No CUDA header is needed: the runtime's entry points come as addresses from the libcudart
  * that torch loaded. A call declines to launch (returns 0 after planning) when a pass it needs

@@ -36,6 +36,7 @@ from oled.progress import track
 
 LANDING = 16  # experts per landing round
 PARTS = 2  # landing rounds in flight: one decodes while the next lands
+LANDING_ROWS = PARTS * LANDING  # experts the landing buffer holds (part p: from p LANDING)
 RING = 4096  # descriptor rounds per iteration before the ring is waited for
 GROUP = 8  # experts encoded together (bounded memory: about 1 GB for LLaDA2.0-mini)
 
@@ -75,8 +76,8 @@ class EncodedCopies:
         self._drive: tuple[np.ndarray, np.ndarray] | None = None  # what drive.c reads
 
     def _landing(self, which: int) -> Tensor:
-        rows = PARTS * LANDING  # part p: rows [p LANDING, (p + 1) LANDING)
-        return torch.empty(rows, self.row_bytes[which], dtype=torch.uint8, device=self.device)
+        shape = (LANDING_ROWS, self.row_bytes[which])
+        return torch.empty(shape, dtype=torch.uint8, device=self.device)
 
     @staticmethod
     def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:

@@ -471,7 +471,8 @@ class OffloadEngine(DecodeObserver):
             return
         torch.cuda.current_stream(self.device).synchronize()
         self.copy_stream.synchronize()
-        self.finish_stream.synchronize()
+        if self.finish_stream is not self.copy_stream:  # the decoder's (encoded copies)
+            self.finish_stream.synchronize()
         if driven:
             self.driver.collect_events()
         for layer, start, end, *kind in self._events:
