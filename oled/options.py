@@ -102,7 +102,8 @@ TransferOpt = Annotated[
     typer.Option(
         "--transfer",
         help="How misses cross the link: plain (bf16 rows), lossless (encoded, the same tokens, "
-        "about 68% of the bytes) or fp8 (lossy: about half the bytes, other tokens) (default: "
+        "about 68% of the bytes), fp8 or int4 (lossy: about 50% or 27% of the bytes, other "
+        "tokens) (default: "
         f"the recipe's, else {RUNTIME.transfer}).",
     ),
 ]

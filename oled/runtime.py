@@ -382,7 +382,8 @@ def build_runtime(
     `driver` launches graphed layer calls from C where possible (None), insists (True) or never
     does (False; oled.offload.driver): the same tokens either way. `transfer` says how misses
     cross the link (oled.model.codec): "plain" bf16 rows, "lossless" encoded rows (the same
-    tokens, fewer bytes) or "fp8" (lossy: about half the bytes, other tokens).
+    tokens, fewer bytes), "fp8" or "int4" (lossy: about a half or a quarter of the bytes, other
+    tokens).
     """
     from oled.model.config import ModelConfig
     from oled.offload.budget import total_slots

@@ -11,6 +11,7 @@ configuration. Usage (one H200, well under 10 minutes):
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -109,13 +110,17 @@ class Bench:
     work: TraceWorkload | None
     rows: list[dict] = field(default_factory=list)
     report: Path | None = None
-    encoded: dict[str, EncodedCopies] = field(default_factory=dict)  # per transfer, made once
+    encoded: dict[str, EncodedCopies] = field(default_factory=dict)  # the last transfer's
 
     def transfer(self, name: str) -> EncodedCopies | None:
-        """The encoded experts of transfer `name` (encoded on first use); None for "plain"."""
+        """The encoded experts of transfer `name`; None for "plain". Only the last transfer's
+        are kept (host memory holds the bf16 experts and one encoded copy of them), and rows
+        run transfer by transfer, so each is encoded once."""
         if name == "plain":
             return None
         if name not in self.encoded:
+            self.encoded.clear()
+            gc.collect()  # the earlier transfer's pinned tables, before the next are made
             t0 = time.perf_counter()
             self.encoded[name] = e = EncodedCopies(self.ckpt.experts, name, self.dev)
             print(f"encoded ({describe(name)}) in {time.perf_counter() - t0:.1f} s: "
@@ -157,8 +162,9 @@ def main() -> None:
     )  # fmt: skip
     oracle = resident_rows(bench)
     bench.save()
-    for frac in [float(f) for f in args.budgets.split(",") if f]:
-        budget_rows(bench, frac, oracle)
+    for transfer in args.transfers.split(","):  # each transfer's experts encoded once
+        for frac in [float(f) for f in args.budgets.split(",") if f]:
+            budget_rows(bench, frac, oracle, transfer)
     print_summary(bench)
 
 
@@ -226,7 +232,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--transfers",
         default="plain",
-        help="comma-separated per row: how misses cross the link: plain, lossless, fp8 (lossy)",
+        help="comma-separated per row: how misses cross the link: plain, lossless, fp8 or int4 "
+        "(lossy)",
     )
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke test of this script")
     ap.add_argument("--cost", default="calibrate", help="cost model: calibrate or a profile")
@@ -294,7 +301,7 @@ def record_resident(rt: Runtime, cfg: BenchConfig, out: Path) -> None:
 
 
 def combos(args: argparse.Namespace, kernel_modes: list[str]) -> list[Combo]:
-    """Every offloaded row of one budget, in table order."""
+    """Every offloaded row of one budget, in table order (every transfer)."""
     names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
     graph_modes = GRAPH_MODES[args.graphs]
     ahead = [int(n) for n in args.prefetch.split(",")]
@@ -308,12 +315,13 @@ def combos(args: argparse.Namespace, kernel_modes: list[str]) -> list[Combo]:
     ]  # fmt: skip
 
 
-def budget_rows(bench: Bench, frac: float, oracle: RecordedRouting | None) -> None:
-    """Every offloaded row at the budget of `frac` of the experts."""
+def budget_rows(bench: Bench, frac: float, oracle: RecordedRouting | None, transfer: str) -> None:
+    """Every offloaded row of `transfer` at the budget of `frac` of the experts."""
     budget = Budget("expert_fraction", frac)
     slots = total_slots(budget, bench.ckpt.config, dtype=torch.bfloat16, device=bench.dev)
     for combo in combos(bench.args, bench.kernel_modes):
-        offloaded_row(bench, combo, frac, slots, oracle)
+        if combo.transfer == transfer:
+            offloaded_row(bench, combo, frac, slots, oracle)
 
 
 def offloaded_row(

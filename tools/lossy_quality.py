@@ -28,12 +28,11 @@ case). `--engine-check N` builds the real offload engine with the codec as trans
 prompts (those whose tokens the codec changed first) with every miss copied
 (Planner.all_on_device) on this device, which must give the swapped model's tokens exactly.
 
-`int4-g128` (and any `int4-gN`) is not a transfer: it is simulated here only, to see whether an
-int4 tier would pay before building one. Each run of N consecutive input weights of a channel is
-scaled by its absolute maximum / 7 into a signed 4-bit integer in [-7, 7] (fp32 scales): 4 + 32/N
-bits per weight, 26.6% of the bf16 bytes at N = 128. No engine check runs for it.
+`--device cuda` runs both models and the engine check on the GPU (a model too large for the
+CPU, such as the routing twin); the losses are then comparable between codecs, not with a CPU
+run's.
 
-    python tools/lossy_quality.py --codecs lossless,fp8,int4-g128 --json /tmp/lossy.json
+    python tools/lossy_quality.py --codecs lossless,fp8,int4 --json /tmp/lossy.json
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from typing import Any
 
 import torch
 
-from oled.model.codec import CODECS, describe, lossy_copy
+from oled.model.codec import CODECS, describe, encode, lossy_copy
 from oled.offload.budget import Budget
 from oled.recipe import DEFAULT_MODEL
 from oled.runtime import Runtime, build_runtime, load_runtime, resolve_model
@@ -180,47 +179,20 @@ def agreement(base: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
     }
 
 
-def int4_group(name: str) -> int | None:
-    """N of a simulated "int4-gN" codec (None for a transfer codec)."""
-    if not name.startswith("int4-g") or not name[6:].isdigit() or int(name[6:]) < 1:
-        return None
-    return int(name[6:])
-
-
-def int4_round_trip(table: torch.Tensor, group: int) -> torch.Tensor:
-    """A table [E, rows, cols] after group-wise symmetric int4 and back (bf16): each run of
-    `group` weights along cols (the whole row when cols is shorter) by its absmax / 7."""
-    e, rows, cols = table.shape
-    g = min(group, cols)
-    if cols % g:
-        raise ValueError(f"int4-g{group}: {cols} columns are not a multiple of {g}")
-    x = table.float().reshape(e, rows, cols // g, g)  # [E, rows, groups, g]
-    scale = x.abs().amax(-1, keepdim=True) / 7
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (x / scale).round().clamp(-7, 7)
-    return (q * scale).reshape(table.shape).to(table.dtype)
-
-
-def round_trip(table: torch.Tensor, codec: str) -> torch.Tensor:
-    """The table after the codec's encode and decode (simulated int4 included)."""
-    group = int4_group(codec)
-    return lossy_copy(table, codec) if group is None else int4_round_trip(table, group)
-
-
-def bytes_share(codec: str, tables: list[torch.Tensor]) -> float | None:
-    """The simulated int4 codec's bytes over bf16's, over one expert of each table (None for
-    transfer codecs: their encoded sizes are bench_codec.py's)."""
-    group = int4_group(codec)
-    if group is None:
-        return None
-    bits = sum(t[0].numel() * (4 + 32 / min(group, t.shape[-1])) for t in tables)
-    return bits / (16 * sum(t[0].numel() for t in tables))
+def bytes_share(codec: str, tables: list[torch.Tensor]) -> float:
+    """The codec's encoded bytes over bf16's, over the first expert of each table."""
+    if codec == "plain":
+        return 1.0
+    rows = sum(encode(t[:1], codec).shape[1] for t in tables)
+    return rows / sum(2 * t[0].numel() for t in tables)
 
 
 def swap_tables(rt: Runtime, w13: list[torch.Tensor], w2: list[torch.Tensor]) -> None:
-    """Point the resident executor at other expert tables (new tensors, the originals kept)."""
-    rt.executor.table.w13[:] = w13
-    rt.executor.table.w2[:] = w2
+    """Write other weights into the resident executor's expert tables, in place (so that
+    captured CUDA graphs compute with them too)."""
+    for table, new in ((rt.executor.table.w13, w13), (rt.executor.table.w2, w2)):
+        for t, w in zip(table, new, strict=True):
+            t.copy_(w)
 
 
 def rel_rms(new: list[torch.Tensor], old: list[torch.Tensor]) -> float:
@@ -231,13 +203,18 @@ def rel_rms(new: list[torch.Tensor], old: list[torch.Tensor]) -> float:
 
 
 def engine_check(
-    model: str, codec: str, prompts: list[Any], decode: dict[str, Any], expected: list[list[int]]
+    model: str,
+    codec: str,
+    prompts: list[Any],
+    decode: dict[str, Any],
+    expected: list[list[int]],
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """The offload engine with `codec` as transfer (budget expert_fraction 0.25, cost cpu-ci),
+    """The offload engine on `device` with `codec` as transfer (budget expert_fraction 0.25),
     every miss copied: whether its tokens equal the swapped resident model's (`expected`)."""
     rt = build_runtime(
-        model=model, device="cpu", dtype="bfloat16", budget=Budget("expert_fraction", 0.25),
-        transfer=codec, cost="cpu-ci",
+        model=model, device=device, dtype="bfloat16", budget=Budget("expert_fraction", 0.25),
+        transfer=codec, cost="cpu-ci" if device == "cpu" else "h200",
     )  # fmt: skip
     with rt.executor.planner.all_on_device():
         got = generate_all(rt, prompts, decode)
@@ -245,11 +222,6 @@ def engine_check(
 
 
 # -- report ---------------------------------------------------------------------------------------
-
-
-def label(codec: str) -> str:
-    """A codec's row name: lossy ones say so, simulated ones too."""
-    return f"{codec} (sim.)" if int4_group(codec) is not None else describe(codec)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -268,7 +240,7 @@ def table(result: dict[str, Any]) -> str:
         eng = r.get("engine_check")
         eng_s = "-" if eng is None else ("same" if eng["identical"] else "DIFF")
         rows.append(
-            f"{label(name):<16} {r['weight_rel_rms']:>9.2e} {r['identical_share']:>6.3f} "
+            f"{describe(name):<16} {r['weight_rel_rms']:>9.2e} {r['identical_share']:>6.3f} "
             f"{r['position_agreement']:>8.3f} {r['val_loss']:>9.4f} {r['delta_val_loss']:>+9.4f} "
             f"{r['val_ce']:>8.4f} {r['delta_val_ce']:>+9.4f} {eng_s:>7}"
         )
@@ -280,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model directory (built-in default)")
     ap.add_argument("--codecs", default="fp8",
-                    help=f"comma-separated, of {', '.join(CODECS)}, int4-gN (simulated)")  # fmt: skip
+                    help=f"comma-separated, of {', '.join(CODECS)}")  # fmt: skip
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for a large model")
     ap.add_argument(
         "--prompts", type=Path, action="append",
         help="jsonl with a 'prompt' (or 'messages') field, repeatable; default: "
@@ -302,8 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     for c in codecs:
-        if c not in CODECS and int4_group(c) is None:
-            ap.error(f"unknown codec {c!r}; choose from {', '.join(CODECS)}, int4-gN")
+        if c not in CODECS:
+            ap.error(f"unknown codec {c!r}; choose from {', '.join(CODECS)}")
     prompts, prompt_sources = load_prompts(args.prompts or list(PROMPT_FILES))
     decode = {"max_new_tokens": args.max_new_tokens, "threshold": args.threshold}
     model_dir = resolve_model(args.model)
@@ -311,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.eval_batches:
         cfg.eval_batches = args.eval_batches
 
-    rt = load_runtime(args.model, device="cpu", dtype="bfloat16")
+    rt = load_runtime(args.model, device=args.device, dtype="bfloat16")
     use_train = args.data == "train" or (args.data == "auto" and archives_present(args.cache))
     if use_train:
         if not archives_present(args.cache):
@@ -331,8 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     data_info |= {"data_seed": DATA_SEED, "noise_seed": NOISE_SEED}
     print(f"model {model_dir}; {len(prompts)} prompts; loss data: {data_info['source']}")
 
-    w13 = list(rt.executor.table.w13)
-    w2 = list(rt.executor.table.w2)
+    w13 = [w.clone() for w in rt.executor.table.w13]  # the bf16 experts, kept
+    w2 = [w.clone() for w in rt.executor.table.w2]
     base_tokens = generate_all(rt, prompts, decode)
     baseline = validation(rt, batches, cfg)
     result: dict[str, Any] = {
@@ -342,18 +315,16 @@ def main(argv: list[str] | None = None) -> None:
     }  # fmt: skip
     for codec in codecs:
         t = time.time()
-        new13 = [round_trip(w, codec) for w in w13]
-        new2 = [round_trip(w, codec) for w in w2]
+        new13 = [lossy_copy(w, codec) for w in w13]
+        new2 = [lossy_copy(w, codec) for w in w2]
         swap_tables(rt, new13, new2)
         try:
             tokens = generate_all(rt, prompts, decode)
             loss = validation(rt, batches, cfg)
         finally:
             swap_tables(rt, w13, w2)
-        simulated = int4_group(codec) is not None
         entry = {
-            "lossy": simulated or describe(codec) != codec,
-            "simulated": simulated,
+            "lossy": describe(codec) != codec,
             "bytes_share": bytes_share(codec, [w13[0], w2[0]]),
             "bit_exact": all(
                 torch.equal(a, b) for a, b in zip(new13 + new2, w13 + w2, strict=True)
@@ -364,12 +335,17 @@ def main(argv: list[str] | None = None) -> None:
             "delta_val_ce": loss["val_ce"] - baseline["val_ce"],
             **agreement(base_tokens, tokens),
         }
-        if args.engine_check and not simulated:
+        if args.engine_check:
             # prompts where the codec changed the tokens first: there the check tells fp8 apart
             order = sorted(range(len(prompts)), key=lambda i: tokens[i] == base_tokens[i])
             pick = sorted(order[: args.engine_check])
             check = engine_check(
-                args.model, codec, [prompts[i] for i in pick], decode, [tokens[i] for i in pick]
+                args.model,
+                codec,
+                [prompts[i] for i in pick],
+                decode,
+                [tokens[i] for i in pick],
+                args.device,
             )
             entry["engine_check"] = check | {"indices": pick}
         entry["seconds"] = time.time() - t

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from oled.kernels.common import round_bf16
 from oled.model import codec
-from oled.model.codec import CHUNK, FP8, LOSSLESS
+from oled.model.codec import CHUNK, FP8, INT4, LOSSLESS
 
 # the format's offsets, as constants a kernel may read
 HEADER = tl.constexpr(codec.HEADER)
@@ -79,17 +79,31 @@ def _lossless_kernel(desc_ptr, base_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _scaled_row(words):
+    """An fp8 or int4 row's (weights per scale, scales offset, codes offset)."""
+    per = tl.load(words + 2)
+    s_off = tl.multiple_of(tl.load(words + 3), 16)
+    d_off = tl.multiple_of(tl.load(words + 4), 16)
+    return per, s_off, d_off
+
+
+@triton.jit
+def _store_scaled(dst, src, s_off, per, w, m, value):
+    """Weights `w` ([BLOCK]): `value` (fp32) times its run's scale, rounded to bf16."""
+    scale = tl.load((src + s_off).to(tl.pointer_type(tl.float32)) + w // per, mask=m)
+    bits = round_bf16(value * scale).to(tl.uint32, bitcast=True) >> 16
+    tl.store(dst + w, bits.to(tl.int16), mask=m)
+
+
+@triton.jit
 def _fp8_kernel(desc_ptr, base_ptr, BLOCK: tl.constexpr):
     """One chunk of BLOCK weights of one row per program."""
     live, src, dst, words, n, start = _row(desc_ptr, base_ptr, BLOCK)
     if live:
-        cols = tl.load(words + 2)
-        s_off = tl.multiple_of(tl.load(words + 3), 16)
-        d_off = tl.multiple_of(tl.load(words + 4), 16)
+        cols, s_off, d_off = _scaled_row(words)
         w = start + tl.arange(0, BLOCK)  # [BLOCK]
         m = w < n
         q = tl.load(src + d_off + w, mask=m, other=0).to(tl.int32)
-        scale = tl.load((src + s_off).to(tl.pointer_type(tl.float32)) + w // cols, mask=m)
         sign = (q >> 7) & 1
         e = (q >> 3) & 0xF
         mant = q & 7
@@ -98,13 +112,25 @@ def _fp8_kernel(desc_ptr, base_ptr, BLOCK: tl.constexpr):
                          mant.to(tl.float32) * 0.001953125)  # fmt: skip  # m * 2^-9
         # the sign as a bit (negating would turn a -0 into +0 on the device)
         signed = value.to(tl.uint32, bitcast=True) | (sign.to(tl.uint32) << 31)
-        value = signed.to(tl.float32, bitcast=True) * scale
-        bits = round_bf16(value).to(tl.uint32, bitcast=True) >> 16
-        tl.store(dst + w, bits.to(tl.int16), mask=m)
+        _store_scaled(dst, src, s_off, cols, w, m, signed.to(tl.float32, bitcast=True))
 
 
-WARPS = {LOSSLESS: 4, FP8: 8}  # the faster of 1-8 on an H200 at CHUNK 1024 (docs/codecs.md)
-KERNELS = {LOSSLESS: _lossless_kernel, FP8: _fp8_kernel}
+@triton.jit
+def _int4_kernel(desc_ptr, base_ptr, BLOCK: tl.constexpr):
+    """One chunk of BLOCK weights of one row per program."""
+    live, src, dst, words, n, start = _row(desc_ptr, base_ptr, BLOCK)
+    if live:
+        group, s_off, d_off = _scaled_row(words)
+        w = start + tl.arange(0, BLOCK)  # [BLOCK]
+        m = w < n
+        pair = tl.load(src + d_off + (w >> 1), mask=m, other=0).to(tl.int32)
+        q = ((pair >> (4 * (w & 1))) & 15) - 8  # the first weight of a byte in its low bits
+        _store_scaled(dst, src, s_off, group, w, m, q.to(tl.float32))
+
+
+# the faster of 1-8 on an H200 at CHUNK 1024 (docs/codecs.md)
+WARPS = {LOSSLESS: 4, FP8: 8, INT4: 8}
+KERNELS = {LOSSLESS: _lossless_kernel, FP8: _fp8_kernel, INT4: _int4_kernel}
 
 
 def decode_listed(tag: int, desc: Tensor, base: Tensor, rows: int, chunks: int) -> None:

@@ -17,10 +17,15 @@ decode on its own. On expert weights this moves about 67.5-68% of the bytes (doc
 "fp8" (lossy): each output channel (a row of the weight matrix) scaled by its absolute maximum
 / 448 into float8 e4m3, with the fp32 scale: about 50% of the bytes. Named lossy everywhere.
 
+"int4" (lossy): each run of INT4_GROUP consecutive weights of a channel (the whole channel when
+it is shorter) scaled by its absolute maximum / 7 into a signed integer in [-7, 7], stored as a
+4-bit code (value + 8), with the fp32 scale: 4.25 bits a weight, 26.6% of the bytes.
+
 Row layout (byte offsets in the header; every row of a table has the same):
     lossless: header | sign+mantissa [n] | primary codes [ceil(n/4)] | chunk starts [C, 2]
               int32 | secondary codes (3 bits each) | escape bytes
     fp8:      header | scales [rows] fp32 | e4m3 [n]
+    int4:     header | scales [n / group] fp32 | codes [n / 2], two a byte, the first low
 """
 
 from __future__ import annotations
@@ -31,17 +36,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-CODECS = ("plain", "lossless", "fp8")
-LOSSY = ("fp8",)
+CODECS = ("plain", "lossless", "fp8", "int4")
+LOSSY = ("fp8", "int4")
 CHUNK = 1024  # weights per independently decoded chunk
 HEADER = 64  # bytes; 16 int32 words
-LOSSLESS, FP8 = 1, 2  # the header's tag
+LOSSLESS, FP8, INT4 = 1, 2, 3  # the header's tag
+TAGS = {"lossless": LOSSLESS, "fp8": FP8, "int4": INT4}  # by codec name
 # header words: 0 tag, 1 n (weights), then per codec
 # lossless: 2 primary offset, 3 chunk-table offset, 4 secondary offset, 5 escape offset,
 #           6 weights per chunk, bytes 32..34 the primary exponents, bytes 36..42 the secondary exponents
 # fp8:      2 columns per channel, 3 scales offset, 4 data offset
+# int4:     2 weights per scale (the group), 3 scales offset, 4 codes offset
 PRIMARY_BOOK, SECONDARY_BOOK = 32, 36
 FP8_MAX = 448.0
+INT4_GROUP = 128  # weights of a channel per int4 scale
 
 
 def describe(codec: str) -> str:
@@ -67,6 +75,8 @@ def encode(
     flat = table.reshape(e, -1)  # [E, n]
     if codec == "fp8":
         return _fp8_rows(flat, shape, size)
+    if codec == "int4":
+        return _int4_rows(flat, shape, size)
     if codec != "lossless":
         raise ValueError(f"no encoding for transfer {codec!r}")
     if counts is None:
@@ -98,7 +108,9 @@ def encoded_size(
     experts (the largest group's)."""
     n = math.prod(shape)
     if codec == "fp8":
-        return _fp8_layout(n, shape[-1])[2]
+        return _scaled_layout(n, shape[-1], n)[2]
+    if codec == "int4":
+        return _scaled_layout(n, int4_group(shape[-1]), n // 2)[2]
     return max(_Layout.of(n, counts[lo : lo + group]).size for lo in range(0, len(counts), group))
 
 
@@ -122,6 +134,8 @@ def _decode_alike(rows: Tensor, header: list[int], n: int) -> Tensor:
         return _lossless_decode(rows, header, n)
     if header[0] == FP8:
         return _fp8_decode(rows, header, n)
+    if header[0] == INT4:
+        return _int4_decode(rows, header, n)
     raise ValueError(f"encoded rows with an unknown tag {header[0]}")
 
 
@@ -290,45 +304,97 @@ def _chunk_rank(used: Tensor) -> Tensor:
     return (torch.cumsum(chunks, -1) - chunks).view(g, -1)[:, :n]
 
 
-# -- fp8 ------------------------------------------------------------------------------------------
+# -- fp8 and int4: scaled codes -------------------------------------------------------------------
+# Both rows are: header | scales [n / per] fp32 | codes; a weight is its code's value times the
+# scale of its run of `per` weights (fp8: a channel; int4: a group), in fp32, rounded to bf16.
 
 
-def _fp8_rows(flat: Tensor, shape: tuple[int, ...], size: int = 0) -> Tensor:
-    """bf16 [E, n] with rows of shape[-1] weights per channel -> rows [E, R] uint8, R at
-    least `size`."""
+def _scaled(flat: Tensor, per: int, top: float, codec: str) -> tuple[Tensor, Tensor]:
+    """bf16 [E, n] in runs of `per` weights -> (the weights over their run's scale [E, n / per,
+    per] fp32, the scales [E, n / per] fp32: each run's absolute maximum / `top`)."""
     e, n = flat.shape
-    cols = shape[-1]
-    channels = n // cols
-    x = flat.float().view(e, channels, cols)
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("transfer 'fp8' cannot encode experts with inf or nan weights")
-    amax = x.abs().amax(-1)  # [E, channels]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    scales, data, need = _fp8_layout(n, cols)
-    rows = torch.zeros(e, max(size, need), dtype=torch.uint8, device=flat.device)
-    header = torch.zeros(e, 16, dtype=torch.int32, device=flat.device)
-    header[:, :5] = torch.tensor([FP8, n, cols, scales, data], dtype=torch.int32)
+    x = flat.float().view(e, n // per, per)
+    _check_finite(x, codec)
+    amax = x.abs().amax(-1)  # [E, runs]
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    return x / scale.unsqueeze(-1), scale
+
+
+def _scaled_layout(n: int, per: int, code_bytes: int) -> tuple[int, int, int]:
+    """(scales offset, codes offset, row size) of a row of n weights, `per` a scale, whose
+    codes take `code_bytes`."""
+    data = _align(HEADER + 4 * (n // per), 16)
+    return HEADER, data, _align(data + code_bytes, 16)
+
+
+def _scaled_rows(tag: int, n: int, per: int, scale: Tensor, codes: Tensor, size: int) -> Tensor:
+    """Rows [E, R] uint8 (R at least `size`) of scales [E, n / per] fp32 and codes [E, B]."""
+    e = codes.shape[0]
+    scales, data, need = _scaled_layout(n, per, codes.shape[1])
+    rows = torch.zeros(e, max(size, need), dtype=torch.uint8, device=codes.device)
+    header = torch.zeros(e, 16, dtype=torch.int32, device=codes.device)
+    header[:, :5] = torch.tensor([tag, n, per, scales, data], dtype=torch.int32)
     rows[:, :HEADER] = header.view(torch.uint8)
-    rows[:, scales : scales + 4 * channels] = scale.contiguous().view(torch.uint8)
-    rows[:, data : data + n] = q.view(e, n).view(torch.uint8)
+    rows[:, scales : scales + 4 * (n // per)] = scale.contiguous().view(torch.uint8)
+    rows[:, data : data + codes.shape[1]] = codes
     return rows
 
 
-def _fp8_layout(n: int, cols: int) -> tuple[int, int, int]:
-    """(scales offset, data offset, row size) of an fp8 row of n weights, cols per channel."""
-    data = _align(HEADER + 4 * (n // cols), 16)
-    return HEADER, data, _align(data + n, 16)
+def _scaled_parts(rows: Tensor, header: list[int], n: int, code_bytes: int):
+    """(scales [N, n / per] fp32, codes [N, code_bytes] uint8, per) of rows sharing `header`."""
+    per, s_off, d_off = header[2:5]
+    scale = rows[:, s_off : s_off + 4 * (n // per)].contiguous().view(torch.float32)
+    return scale, rows[:, d_off : d_off + code_bytes].contiguous(), per
+
+
+def _fp8_rows(flat: Tensor, shape: tuple[int, ...], size: int = 0) -> Tensor:
+    """bf16 [E, n], channels of shape[-1] weights -> rows [E, R] uint8, R at least `size`."""
+    e, n = flat.shape
+    x, scale = _scaled(flat, shape[-1], FP8_MAX, "fp8")
+    q = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(e, n).view(torch.uint8)
+    return _scaled_rows(FP8, n, shape[-1], scale, q, size)
 
 
 def _fp8_decode(rows: Tensor, header: list[int], n: int) -> Tensor:
-    """The reference of oled.kernels.codec's fp8 decoder: [N, R] -> [N, n] bf16 (the e4m3
-    value times its channel's scale in fp32, rounded to bf16)."""
-    cols, s_off, d_off = header[2:5]
-    g, channels = rows.shape[0], n // cols
-    scale = rows[:, s_off : s_off + 4 * channels].contiguous().view(torch.float32)  # [N, ch]
-    q = rows[:, d_off : d_off + n].contiguous().view(torch.float8_e4m3fn).float()
-    return (q.view(g, channels, cols) * scale.unsqueeze(-1)).view(g, n).to(torch.bfloat16)
+    """The reference of oled.kernels.codec's fp8 decoder: [N, R] -> [N, n] bf16."""
+    scale, codes, cols = _scaled_parts(rows, header, n, n)
+    q = codes.view(torch.float8_e4m3fn).float().view(rows.shape[0], n // cols, cols)
+    return (q * scale.unsqueeze(-1)).view(-1, n).to(torch.bfloat16)
+
+
+def int4_group(cols: int) -> int:
+    """Weights per int4 scale for channels of `cols` weights (ValueError where channels do not
+    split into whole groups of an even size)."""
+    group = min(INT4_GROUP, cols)
+    if cols % group or group % 2:
+        raise ValueError(
+            f"transfer 'int4' scales runs of {INT4_GROUP} weights of a channel (or whole channels "
+            f"of an even length): channels of {cols} weights do not split into them"
+        )
+    return group
+
+
+def _int4_rows(flat: Tensor, shape: tuple[int, ...], size: int = 0) -> Tensor:
+    """bf16 [E, n], channels of shape[-1] weights -> rows [E, R] uint8, R at least `size`."""
+    e, n = flat.shape
+    group = int4_group(shape[-1])
+    x, scale = _scaled(flat, group, 7.0, "int4")
+    pairs = (x.round().clamp(-7, 7).to(torch.int32) + 8).view(e, n // 2, 2)  # codes 1..15
+    codes = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)  # [E, n / 2]
+    return _scaled_rows(INT4, n, group, scale, codes, size)
+
+
+def _int4_decode(rows: Tensor, header: list[int], n: int) -> Tensor:
+    """The reference of oled.kernels.codec's int4 decoder: [N, R] -> [N, n] bf16."""
+    scale, codes, group = _scaled_parts(rows, header, n, n // 2)
+    codes = codes.to(torch.int32)  # [N, n / 2]
+    q = torch.stack([codes & 15, codes >> 4], -1).view(rows.shape[0], n // group, group) - 8
+    return (q.float() * scale.unsqueeze(-1)).view(-1, n).to(torch.bfloat16)
+
+
+def _check_finite(x: Tensor, codec: str) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"transfer {codec!r} cannot encode experts with inf or nan weights")
 
 
 def lossy_copy(table: Tensor, codec: str) -> Tensor:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, get_args
 
 import torch
@@ -123,9 +125,19 @@ def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.9)
-    import os
+    return int(host_available() * 0.5)
 
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") * 0.5)
+
+def host_available() -> int:
+    """Host memory that can be had now, in bytes: Linux's MemAvailable (free pages and the
+    page cache that can be dropped, such as a checkpoint's read pages), else the free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _fixed_bytes(cfg, dtype, kv_tokens, scratch_experts) -> int:

@@ -22,8 +22,6 @@ bf16 experts (CPU experts compute from them) and the encoded ones.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -31,6 +29,7 @@ from torch import Tensor
 from oled import kernels
 from oled.model import codec
 from oled.model.experts import ExpertStore
+from oled.offload.budget import host_available
 from oled.offload.copies import Rows, launch, transfer
 from oled.progress import track
 
@@ -96,7 +95,7 @@ class EncodedCopies:
         once on an empty list first)."""
         from oled.kernels.codec import decode_listed
 
-        tag = codec.FP8 if self.codec == "fp8" else codec.LOSSLESS
+        tag = codec.TAGS[self.codec]
         chunks = -(-max(self.n) // codec.CHUNK)
 
         def run() -> None:
@@ -237,12 +236,13 @@ def _encode_store(
 
 def check_host_memory(need: int, codec_name: str, available: int | None = None) -> None:
     """ValueError, before any encoded table is allocated, when host memory cannot hold the
-    encoded experts beside the bf16 ones (`available`: free bytes, the system's by default)."""
+    encoded experts beside the bf16 ones (`available`: bytes that can be had, the system's
+    MemAvailable by default)."""
     if available is None:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        available = host_available()
     if need > available:
         raise ValueError(
             f"transfer {codec_name!r} keeps the experts encoded in host memory as well: "
-            f"{need / 2**30:.1f} GiB needed, {available / 2**30:.1f} GiB free; "
+            f"{need / 2**30:.1f} GiB needed, {available / 2**30:.1f} GiB available; "
             'free memory or use transfer = "plain"'
         )

@@ -117,8 +117,8 @@ class RuntimeSection(Strict):
     kernels: Literal["auto", "triton", "torch"] = "auto"  # fused Triton kernels on CUDA
     planner: Literal["auto", "compiled", "python"] = "auto"  # host decisions (same decisions)
     max_batch: int = Field(8, ge=1)  # generations `oled serve` decodes together (1: in turn)
-    # how misses cross the link: bf16 rows, encoded bit-exact, or fp8 (lossy: other tokens)
-    transfer: Literal["plain", "lossless", "fp8"] = "plain"
+    # how misses cross the link: bf16 rows, encoded bit-exact, or fp8 / int4 (lossy: other tokens)
+    transfer: Literal["plain", "lossless", "fp8", "int4"] = "plain"
 
     @field_validator("kernels", mode="before")
     @classmethod
