@@ -79,12 +79,14 @@ def _lossless_kernel(desc_ptr, base_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scaled_row(words):
-    """An fp8 or int4 row's (weights per scale, scales offset, codes offset)."""
+def _scaled_row(words, n, start, BLOCK: tl.constexpr):
+    """An fp8 or int4 row's (weights per scale, scales offset, codes offset) and this chunk's
+    weights [BLOCK] with their mask."""
     per = tl.load(words + 2)
     s_off = tl.multiple_of(tl.load(words + 3), 16)
     d_off = tl.multiple_of(tl.load(words + 4), 16)
-    return per, s_off, d_off
+    w = start + tl.arange(0, BLOCK)  # [BLOCK]
+    return per, s_off, d_off, w, w < n
 
 
 @triton.jit
@@ -100,9 +102,7 @@ def _fp8_kernel(desc_ptr, base_ptr, BLOCK: tl.constexpr):
     """One chunk of BLOCK weights of one row per program."""
     live, src, dst, words, n, start = _row(desc_ptr, base_ptr, BLOCK)
     if live:
-        cols, s_off, d_off = _scaled_row(words)
-        w = start + tl.arange(0, BLOCK)  # [BLOCK]
-        m = w < n
+        cols, s_off, d_off, w, m = _scaled_row(words, n, start, BLOCK)
         q = tl.load(src + d_off + w, mask=m, other=0).to(tl.int32)
         sign = (q >> 7) & 1
         e = (q >> 3) & 0xF
@@ -120,9 +120,7 @@ def _int4_kernel(desc_ptr, base_ptr, BLOCK: tl.constexpr):
     """One chunk of BLOCK weights of one row per program."""
     live, src, dst, words, n, start = _row(desc_ptr, base_ptr, BLOCK)
     if live:
-        group, s_off, d_off = _scaled_row(words)
-        w = start + tl.arange(0, BLOCK)  # [BLOCK]
-        m = w < n
+        group, s_off, d_off, w, m = _scaled_row(words, n, start, BLOCK)
         pair = tl.load(src + d_off + (w >> 1), mask=m, other=0).to(tl.int32)
         q = ((pair >> (4 * (w & 1))) & 15) - 8  # the first weight of a byte in its low bits
         _store_scaled(dst, src, s_off, group, w, m, q.to(tl.float32))
