@@ -23,8 +23,12 @@ from oled.runtime import Runtime, offload_stats
 
 PROMPT = ">>> "
 SETTABLE = {
-    "block_length": int, "threshold": float, "max_tokens": int, "temperature": float, "seed": int,
-}  # fmt: skip
+    "block_length": int,
+    "threshold": float,
+    "max_tokens": int,
+    "temperature": float,
+    "seed": int,
+}
 HELP = """commands:
   /help              this list
   /stats             figures of the last reply (hit rate, copies, tokens per forward, latency)
@@ -74,8 +78,10 @@ class ChatSession:
 
     def settings(self) -> str:
         d = self.decode
-        return (f"block_length={d.block_length} threshold={d.threshold} "
-                f"max_tokens={d.max_new_tokens} temperature={d.temperature} seed={d.seed}")  # fmt: skip
+        return (
+            f"block_length={d.block_length} threshold={d.threshold} "
+            f"max_tokens={d.max_new_tokens} temperature={d.temperature} seed={d.seed}"
+        )
 
     def reply(self, text: str, write: Callable[[str], None], cancelled: Callable[[], bool]) -> str:
         """Stream the answer to `text`; the conversation keeps what was said (also if cut)."""
@@ -190,8 +196,10 @@ def run_chat(session: ChatSession, *, out: TextIO | None = None) -> None:
             write("^C\n")
             continue
         except UnicodeDecodeError as err:  # bytes the terminal sent are not UTF-8
-            write(f"error: the line is not UTF-8 text (byte 0x{err.object[err.start]:02x}); "
-                  "nothing was sent\n")  # fmt: skip
+            write(
+                f"error: the line is not UTF-8 text (byte 0x{err.object[err.start]:02x}); "
+                "nothing was sent\n"
+            )
             continue
         if not line.strip():
             continue

@@ -70,17 +70,25 @@ def model_info(model: Annotated[str, typer.Argument(help="Checkpoint directory o
     total_experts = cfg.num_moe_layers * cfg.num_experts
     rows = [
         ("path", str(path)),
-        ("layers", f"{cfg.num_hidden_layers} ({cfg.first_k_dense_replace} dense, "
-                   f"{cfg.num_moe_layers} MoE)"),
-        ("hidden / heads / kv heads", f"{cfg.hidden_size} / {cfg.num_attention_heads} / "
-                                      f"{cfg.num_key_value_heads}"),
-        ("experts", f"{cfg.num_experts} per layer, top-{cfg.num_experts_per_tok}, "
-                    f"{cfg.n_group} groups (keep {cfg.topk_group}), "
-                    f"{cfg.num_shared_experts} shared"),
+        (
+            "layers",
+            f"{cfg.num_hidden_layers} ({cfg.first_k_dense_replace} dense, "
+            f"{cfg.num_moe_layers} MoE)",
+        ),
+        (
+            "hidden / heads / kv heads",
+            f"{cfg.hidden_size} / {cfg.num_attention_heads} / {cfg.num_key_value_heads}",
+        ),
+        (
+            "experts",
+            f"{cfg.num_experts} per layer, top-{cfg.num_experts_per_tok}, "
+            f"{cfg.n_group} groups (keep {cfg.topk_group}), "
+            f"{cfg.num_shared_experts} shared",
+        ),
         ("one expert (bf16)", f"{expert_mib:.2f} MiB"),
         ("all routed experts (bf16)", f"{total_experts * expert_mib / 1024:.2f} GiB"),
         ("shards", f"{shards} ({size / 2**20:.1f} MiB; headers, sizes and shapes checked)"),
-    ]  # fmt: skip
+    ]
     for key, value in rows:
         console.print(f"{key:>28}: {value}")
 

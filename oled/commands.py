@@ -64,10 +64,23 @@ def generate(
             "the prompt is empty: give the text to answer (or to continue, with --raw)"
         )
     check_text(prompt, "the prompt")
-    spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
-                        graphs=graphs, kernels=kernels, transfer=transfer, block_length=block_length,
-                        threshold=threshold, steps=steps, max_tokens=max_tokens, temperature=temperature,
-                        seed=seed, use_cache=False if no_cache else None)  # fmt: skip
+    spec = command_spec(
+        recipe,
+        model,
+        device=device,
+        dtype=dtype,
+        cache_size=cache_size,
+        graphs=graphs,
+        kernels=kernels,
+        transfer=transfer,
+        block_length=block_length,
+        threshold=threshold,
+        steps=steps,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        use_cache=False if no_cache else None,
+    )
     rt = load(spec, progress=True)
     ids = rt.prompt_ids(prompt, chat=not raw)
     for block in rt.stream(ids):
@@ -134,12 +147,30 @@ def serve(
     from oled.serve.command import run_server, served_name
 
     at_least(1, max_tokens=max_tokens)
-    spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
-                        graphs=graphs, kernels=kernels, transfer=transfer, block_length=block_length,
-                        threshold=threshold, steps=steps, max_tokens=default_max_tokens,
-                        max_tokens_flag="--default-max-tokens", max_batch=max_batch)  # fmt: skip
-    run_server(spec, host=host, port=port, model_name=served_model_name or served_name(spec),
-               max_tokens=max_tokens, api_key=api_key)  # fmt: skip
+    spec = command_spec(
+        recipe,
+        model,
+        device=device,
+        dtype=dtype,
+        cache_size=cache_size,
+        graphs=graphs,
+        kernels=kernels,
+        transfer=transfer,
+        block_length=block_length,
+        threshold=threshold,
+        steps=steps,
+        max_tokens=default_max_tokens,
+        max_tokens_flag="--default-max-tokens",
+        max_batch=max_batch,
+    )
+    run_server(
+        spec,
+        host=host,
+        port=port,
+        model_name=served_model_name or served_name(spec),
+        max_tokens=max_tokens,
+        api_key=api_key,
+    )
 
 
 @user_errors
@@ -166,10 +197,22 @@ def chat(
 
     if system is not None:
         check_text(system, "--system")
-    spec = command_spec(recipe, model, device=device, dtype=dtype, cache_size=cache_size,
-                        graphs=graphs, kernels=kernels, transfer=transfer, block_length=block_length,
-                        threshold=threshold, steps=steps, max_tokens=max_tokens, temperature=temperature,
-                        seed=seed)  # fmt: skip
+    spec = command_spec(
+        recipe,
+        model,
+        device=device,
+        dtype=dtype,
+        cache_size=cache_size,
+        graphs=graphs,
+        kernels=kernels,
+        transfer=transfer,
+        block_length=block_length,
+        threshold=threshold,
+        steps=steps,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+    )
     rt = load(spec)
     setup_readline()
     run_chat(ChatSession(runtime=rt, decode=rt.decode, system=system))
@@ -278,10 +321,25 @@ def bench(
         at_least(1, max_tokens=max_tokens)
     at_least(1, gen_length=gen_length, prompt_length=prompt_length, runs=runs)
     at_least(0, warmup_runs=warmup_runs)
-    cfg = b.BenchConfig(gen_length=gen_length, prompt_length=prompt_length,
-                        warmup_runs=warmup_runs, runs=runs, seed=seed, profile=profile)  # fmt: skip
-    flags = dict(device=device, dtype=dtype, cache_size=cache_size, graphs=graphs,
-                 kernels=kernels, transfer=transfer, block_length=block_length, threshold=threshold, steps=steps)  # fmt: skip
+    cfg = b.BenchConfig(
+        gen_length=gen_length,
+        prompt_length=prompt_length,
+        warmup_runs=warmup_runs,
+        runs=runs,
+        seed=seed,
+        profile=profile,
+    )
+    flags = dict(
+        device=device,
+        dtype=dtype,
+        cache_size=cache_size,
+        graphs=graphs,
+        kernels=kernels,
+        transfer=transfer,
+        block_length=block_length,
+        threshold=threshold,
+        steps=steps,
+    )
     paths = [*(recipes or []), *([recipe] if recipe else [])]
     if prompts is not None and routing is None and not paths:
         raise ValueError("--prompts selects traced prompts: give --routing trace:PATH")
@@ -319,8 +377,10 @@ def _bench_streams(cfg, specs, counts: list[int], report_dir: Path | None) -> No
     for label, spec in specs:
         rt = build(spec)
         used = str(rt.device)
-        err_console.print(f"[dim]{label}: {max(counts)} requests, prompt {cfg.prompt_length}, "
-                          f"{cfg.gen_length} tokens, at {counts} streams[/dim]")  # fmt: skip
+        err_console.print(
+            f"[dim]{label}: {max(counts)} requests, prompt {cfg.prompt_length}, "
+            f"{cfg.gen_length} tokens, at {counts} streams[/dim]"
+        )
         rows += bench_streams(rt, cfg, label, counts)
         del rt
     Console(highlight=False, width=max(160, Console().width)).print(streams_table(rows))
@@ -328,8 +388,9 @@ def _bench_streams(cfg, specs, counts: list[int], report_dir: Path | None) -> No
         err_console.print(f"[dim]report: {b.write_report(report_dir, cfg, rows, used)}[/dim]")
 
 
-def _row_specs(paths: list[Path], model: str | None, cache_size: int | None,
-               flags: dict) -> list[tuple[str, Any]]:  # fmt: skip
+def _row_specs(
+    paths: list[Path], model: str | None, cache_size: int | None, flags: dict
+) -> list[tuple[str, Any]]:
     """Each recipe with the flags over it, labelled by its stem; without recipes, one row of
     the model, labelled by its name (and cache size); an encoded transfer is named."""
     if paths:
@@ -381,17 +442,23 @@ def _bench_rows(cfg, specs, works, follow: bool, report_dir: Path | None) -> Non
         rt = build(spec)
         used = str(rt.device)
         if cfg.profile and rt.device.type != "cuda":
-            err_console.print(f"[yellow]--profile: no device timeline on {rt.device}; "
-                              "host time per stage only[/yellow]")  # fmt: skip
+            err_console.print(
+                f"[yellow]--profile: no device timeline on {rt.device}; "
+                "host time per stage only[/yellow]"
+            )
         if work is not None:
-            err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed "
-                              f"passes over {len(work.prompts)} prompts of {work.name} "
-                              "(routing, commits and lengths from the trace)[/dim]")  # fmt: skip
+            err_console.print(
+                f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed "
+                f"passes over {len(work.prompts)} prompts of {work.name} "
+                "(routing, commits and lengths from the trace)[/dim]"
+            )
             rows.append(b.bench_replay(rt, cfg, label, work))
         else:
-            err_console.print(f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed "
-                              f"runs, prompt {cfg.prompt_length}, {cfg.gen_length} tokens"
-                              "[/dim]")  # fmt: skip
+            err_console.print(
+                f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed "
+                f"runs, prompt {cfg.prompt_length}, {cfg.gen_length} tokens"
+                "[/dim]"
+            )
             rows.append(b.bench_runtime(rt, cfg, label, follow))
         if report_dir is not None and len(specs) > 1:
             report = b.write_report(report_dir, cfg, rows, used, report)

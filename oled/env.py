@@ -10,9 +10,22 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-PACKAGES = ("oled-moe", "safetensors", "tokenizers", "numpy", "pydantic", "typer",
-            "rich", "fastapi", "uvicorn", "mlflow-skinny", "mlflow", "optuna", "matplotlib",
-            "triton")  # fmt: skip
+PACKAGES = (
+    "oled-moe",
+    "safetensors",
+    "tokenizers",
+    "numpy",
+    "pydantic",
+    "typer",
+    "rich",
+    "fastapi",
+    "uvicorn",
+    "mlflow-skinny",
+    "mlflow",
+    "optuna",
+    "matplotlib",
+    "triton",
+)
 
 
 @dataclass
@@ -53,7 +66,10 @@ def cpu_rows(report: Report) -> None:
     flags = cpu_flags()
     amx = [f for f in ("amx_bf16", "amx_tile", "amx_int8") if f in flags]
     report.add("CPU", cpuinfo_field("model name") or platform.machine())
-    report.add("CPU cores (visible)", len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())  # fmt: skip
+    report.add(
+        "CPU cores (visible)",
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    )
     report.add("torch threads", torch.get_num_threads())
     report.add("AMX", ", ".join(amx) if amx else ("no" if flags else "unknown"))
     report.add("AVX-512", "yes" if "avx512f" in flags else ("no" if flags else "unknown"))
@@ -96,8 +112,10 @@ def cuda_rows(report: Report, *, bandwidth: bool) -> None:
     report.add("driver", driver_version())
     for i in range(torch.cuda.device_count()):
         prop = torch.cuda.get_device_properties(i)
-        report.add(f"GPU {i}", f"{prop.name}, {prop.total_memory / 2**30:.1f} GiB, "
-                               f"compute {prop.major}.{prop.minor}")  # fmt: skip
+        report.add(
+            f"GPU {i}",
+            f"{prop.name}, {prop.total_memory / 2**30:.1f} GiB, compute {prop.major}.{prop.minor}",
+        )
     report.add("fused kernels", kernel_row())
     report.add("expert copies", copies_row())
     report.add("layer launches", launches_row())
@@ -199,7 +217,12 @@ def collect(*, require_cuda: bool = False, bandwidth: bool = True) -> Report:
     package_rows(report)
     if require_cuda and not torch.cuda.is_available():
         build = torch.version.cuda
-        why = f"this torch ({torch.__version__}) is a CPU-only build" if build is None else (
-            f"torch is built for CUDA {build} but sees no GPU (driver, CUDA_VISIBLE_DEVICES?)")  # fmt: skip
+        why = (
+            f"this torch ({torch.__version__}) is a CPU-only build"
+            if build is None
+            else (
+                f"torch is built for CUDA {build} but sees no GPU (driver, CUDA_VISIBLE_DEVICES?)"
+            )
+        )
         report.failures.append(f"CUDA is required but not available: {why}")
     return report

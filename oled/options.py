@@ -20,9 +20,12 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 ModelOpt = Annotated[
     str | None,
-    typer.Option("--model", "-m", help="Checkpoint directory or builtin:NAME (default: the "
-                 f"recipe's, else {DEFAULT_MODEL})."),
-]  # fmt: skip
+    typer.Option(
+        "--model",
+        "-m",
+        help=f"Checkpoint directory or builtin:NAME (default: the recipe's, else {DEFAULT_MODEL}).",
+    ),
+]
 DeviceOpt = Annotated[
     str | None,
     typer.Option(help=f"auto, cpu, cuda or cuda:N (default: the recipe's, else {RUNTIME.device})."),
@@ -35,14 +38,20 @@ DtypeOpt = Annotated[
 ]
 RecipeOpt = Annotated[
     Path | None,
-    typer.Option("--recipe", "-r", help="TOML recipe (model, budget, policies, decoding); "
-                 "the other flags override it."),
-]  # fmt: skip
+    typer.Option(
+        "--recipe",
+        "-r",
+        help="TOML recipe (model, budget, policies, decoding); the other flags override it.",
+    ),
+]
 CacheOpt = Annotated[
     int | None,
-    typer.Option("--cache-size", help="GPU expert slots per MoE layer, with the recipe's "
-                 "policies, else OLED's (default: the recipe's budget, else all resident)."),
-]  # fmt: skip
+    typer.Option(
+        "--cache-size",
+        help="GPU expert slots per MoE layer, with the recipe's "
+        "policies, else OLED's (default: the recipe's budget, else all resident).",
+    ),
+]
 BlockOpt = Annotated[
     int | None,
     typer.Option(
@@ -167,8 +176,9 @@ def load(spec: Any, *, progress: bool = False) -> Any:
 
     t0 = time.perf_counter()
     rt = build(spec, progress=progress)
-    err_console.print(f"[dim]loaded {rt.checkpoint.path} on {rt.device} "
-                      f"in {time.perf_counter() - t0:.1f} s[/dim]")  # fmt: skip
+    err_console.print(
+        f"[dim]loaded {rt.checkpoint.path} on {rt.device} in {time.perf_counter() - t0:.1f} s[/dim]"
+    )
     return rt
 
 

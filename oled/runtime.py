@@ -49,10 +49,18 @@ DTYPES = {
 }
 BUILTIN = "builtin:"
 RESIDENT_SUMMARY = {
-    "resident": True, "hit_rate": 1.0, "hits": 0.0, "misses": 0.0, "copies": 0.0,
-    "copy_bytes": 0.0, "cpu_experts": 0.0, "gpu_experts": 0.0, "cpu_share": 0.0,
-    "stall_ms": 0.0, "per_layer": [],
-}  # fmt: skip
+    "resident": True,
+    "hit_rate": 1.0,
+    "hits": 0.0,
+    "misses": 0.0,
+    "copies": 0.0,
+    "copy_bytes": 0.0,
+    "cpu_experts": 0.0,
+    "gpu_experts": 0.0,
+    "cpu_share": 0.0,
+    "stall_ms": 0.0,
+    "per_layer": [],
+}
 
 
 def shipped_default() -> Path | None:
@@ -215,10 +223,14 @@ class Runtime:
         length `block_length` (the decode config's by default)."""
         fused_kernels.use(self.kernels)
         return BatchDecoder(
-            self.model, mask_id=self.tokenizer.mask_id, stop_ids=self.tokenizer.stop_ids,
-            observers=self.observers, forward=self.forward, max_batch=max_batch,
+            self.model,
+            mask_id=self.tokenizer.mask_id,
+            stop_ids=self.tokenizer.stop_ids,
+            observers=self.observers,
+            forward=self.forward,
+            max_batch=max_batch,
             block_length=block_length or self.decode.block_length,
-        )  # fmt: skip
+        )
 
     def routing_replay(self, trace) -> RoutingReplay:
         """A trace (oled.decoding.trace_file.Trace) ready to replay on this model (the last one is
@@ -254,9 +266,12 @@ class Runtime:
         self.model.set_routing_override(source.override)
         try:
             yield from self.stream(
-                ids, decode=decode, observers=[source, *observers], cancelled=cancelled,
+                ids,
+                decode=decode,
+                observers=[source, *observers],
+                cancelled=cancelled,
                 follow=follow,
-            )  # fmt: skip
+            )
         finally:
             self.model.set_routing_override(None)
 
@@ -340,12 +355,22 @@ def build(recipe: Recipe, *, progress: bool = False) -> Runtime:
     resident = rt.budget.resident is True
     policies = {} if resident else recipe.policy.build()
     return build_runtime(
-        model=recipe.model.path, device=rt.device, dtype=rt.dtype,
-        budget=Budget(*rt.budget.choice()), cost=rt.cost, cpu_threads=rt.cpu_threads,
-        stage_capacity=rt.stage_capacity, prefetch=rt.prefetch, decode=recipe.decoding.config(),
-        progress=progress, graphs=rt.cuda_graphs, kernels=rt.kernels, planner=rt.planner,
-        transfer=rt.transfer, **policies,
-    )  # fmt: skip
+        model=recipe.model.path,
+        device=rt.device,
+        dtype=rt.dtype,
+        budget=Budget(*rt.budget.choice()),
+        cost=rt.cost,
+        cpu_threads=rt.cpu_threads,
+        stage_capacity=rt.stage_capacity,
+        prefetch=rt.prefetch,
+        decode=recipe.decoding.config(),
+        progress=progress,
+        graphs=rt.cuda_graphs,
+        kernels=rt.kernels,
+        planner=rt.planner,
+        transfer=rt.transfer,
+        **policies,
+    )
 
 
 def build_runtime(
@@ -412,19 +437,43 @@ def build_runtime(
     if slots is None:
         executor = ResidentExperts(ckpt.experts, dev)
         return Runtime(
-            checkpoint=ckpt, device=dev, executor=executor, decode=decode, graphs=graphs,
+            checkpoint=ckpt,
+            device=dev,
+            executor=executor,
+            decode=decode,
+            graphs=graphs,
             kernels=kernels,
-        )  # fmt: skip
+        )
     encoded = None if transfer == "plain" else EncodedCopies(ckpt.experts, transfer, dev, progress)
     cost, costs = decision_cost(cost, ckpt, dev, encoded)
-    engine = make_engine(ckpt, dev, make_planner(
-        ckpt, dev, slots, stage_capacity, allocation, retention, compensation, cost, prefetch,
-        planner,
-    ), driver, encoded)  # fmt: skip
+    engine = make_engine(
+        ckpt,
+        dev,
+        make_planner(
+            ckpt,
+            dev,
+            slots,
+            stage_capacity,
+            allocation,
+            retention,
+            compensation,
+            cost,
+            prefetch,
+            planner,
+        ),
+        driver,
+        encoded,
+    )
     return Runtime(
-        checkpoint=ckpt, device=dev, executor=engine, decode=decode, observers=[engine],
-        graphs=graphs, kernels=kernels, costs=costs,
-    )  # fmt: skip
+        checkpoint=ckpt,
+        device=dev,
+        executor=engine,
+        decode=decode,
+        observers=[engine],
+        graphs=graphs,
+        kernels=kernels,
+        costs=costs,
+    )
 
 
 def decision_cost(
@@ -452,9 +501,13 @@ def make_engine(
     see OffloadEngine (give the planner the `decision_cost` of the same `encoded`)."""
     predict = NextLayerRouting(ckpt.model) if planner.prefetch_limit else None
     return OffloadEngine(
-        store=ckpt.experts, device=dev, planner=planner, predict=predict, driver=driver,
+        store=ckpt.experts,
+        device=dev,
+        planner=planner,
+        predict=predict,
+        driver=driver,
         encoded=encoded,
-    )  # fmt: skip
+    )
 
 
 PLANNER_MODES = {"auto": None, "compiled": True, "python": False}
@@ -517,8 +570,17 @@ def load_runtime(model: str = DEFAULT_MODEL, **settings: Any) -> Runtime:
     return build_runtime(model=model, budget=None, **settings)
 
 
-OFFLOAD_KEYS = ("hit_rate", "hits", "misses", "copies", "copy_bytes", "cpu_experts",
-                "gpu_experts", "cpu_share", "stall_ms")  # fmt: skip
+OFFLOAD_KEYS = (
+    "hit_rate",
+    "hits",
+    "misses",
+    "copies",
+    "copy_bytes",
+    "cpu_experts",
+    "gpu_experts",
+    "cpu_share",
+    "stall_ms",
+)
 
 
 def offload_stats(rt: Runtime) -> dict[str, float] | None:

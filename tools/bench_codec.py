@@ -46,17 +46,25 @@ def main() -> None:
     if args.layers:
         store = ExpertStore(w13=store.w13[: args.layers], w2=store.w2[: args.layers])
     if dev.type == "cuda":  # pinned, as the engine's host experts are
-        store = ExpertStore(w13=[t.pin_memory() for t in store.w13],
-                            w2=[t.pin_memory() for t in store.w2])  # fmt: skip
-    print(f"loaded {store.num_layers} layers x {store.num_experts} experts in "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
+        store = ExpertStore(
+            w13=[t.pin_memory() for t in store.w13], w2=[t.pin_memory() for t in store.w2]
+        )
+    print(
+        f"loaded {store.num_layers} layers x {store.num_experts} experts in "
+        f"{time.perf_counter() - t0:.0f} s",
+        flush=True,
+    )
     rows = [measure(store, name, dev, args.reps) for name in args.codecs.split(",")]
-    print(f"{'codec':<14} {'share':>7} {'exact':>6} {'encode s':>9} {'decode GB/s':>12} "
-          f"{'plain ms':>9} {'encoded ms':>11} {'slot ok':>8}")  # fmt: skip
+    print(
+        f"{'codec':<14} {'share':>7} {'exact':>6} {'encode s':>9} {'decode GB/s':>12} "
+        f"{'plain ms':>9} {'encoded ms':>11} {'slot ok':>8}"
+    )
     for r in rows:
-        print(f"{r['codec']:<14} {r['share']:>7.4f} {str(r['exact']):>6} {r['encode_s']:>9.1f} "
-              f"{r.get('decode_gb_s', float('nan')):>12.0f} {r.get('plain_ms', float('nan')):>9.3f} "
-              f"{r.get('encoded_ms', float('nan')):>11.3f} {str(r.get('slots_exact')):>8}")  # fmt: skip
+        print(
+            f"{r['codec']:<14} {r['share']:>7.4f} {str(r['exact']):>6} {r['encode_s']:>9.1f} "
+            f"{r.get('decode_gb_s', float('nan')):>12.0f} {r.get('plain_ms', float('nan')):>9.3f} "
+            f"{r.get('encoded_ms', float('nan')):>11.3f} {str(r.get('slots_exact')):>8}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "rows": rows}, indent=2))
 
@@ -67,9 +75,13 @@ def measure(store: ExpertStore, name: str, dev: torch.device, reps: int) -> dict
     enc = EncodedCopies(store, name, dev)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    out = {"codec": codec.describe(name), "share": enc.ratio,
-           "encode_s": time.perf_counter() - t0, "row_bytes": list(enc.row_bytes),
-           "expert_bytes": store.expert_bytes}  # fmt: skip
+    out = {
+        "codec": codec.describe(name),
+        "share": enc.ratio,
+        "encode_s": time.perf_counter() - t0,
+        "row_bytes": list(enc.row_bytes),
+        "expert_bytes": store.expert_bytes,
+    }
     out["exact"] = round_trip(store, enc) if name == "lossless" else None
     if name in codec.LOSSY:
         out["relative_error"] = lossy_error(store, enc)
@@ -138,11 +150,16 @@ def timings(store: ExpertStore, enc: EncodedCopies, dev: torch.device, reps: int
     ok = torch.equal(slots13[0].cpu().reshape(-1).view(torch.int16), want.view(torch.int16))
     bf16 = k * store.expert_bytes
     return {
-        "experts": k, "plain_ms": plain_ms, "landed_ms": landed_ms, "encoded_ms": both_ms,
-        "decode_ms": decode_ms, "decode_gb_s": bf16 / decode_ms / 1e6,
-        "plain_gb_s": bf16 / plain_ms / 1e6, "landed_gb_s": k * enc.expert_bytes / landed_ms / 1e6,
+        "experts": k,
+        "plain_ms": plain_ms,
+        "landed_ms": landed_ms,
+        "encoded_ms": both_ms,
+        "decode_ms": decode_ms,
+        "decode_gb_s": bf16 / decode_ms / 1e6,
+        "plain_gb_s": bf16 / plain_ms / 1e6,
+        "landed_gb_s": k * enc.expert_bytes / landed_ms / 1e6,
         "slots_exact": ok,
-    }  # fmt: skip
+    }
 
 
 def replay(enc: EncodedCopies, stream: torch.cuda.Stream) -> None:

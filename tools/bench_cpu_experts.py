@@ -34,10 +34,14 @@ def main() -> None:
     args = ap.parse_args()
     cfg = mini_config()
     h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
-          f"{torch.__version__}, mkldnn bf16: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")  # fmt: skip
-    print(f"{'dtype':9s} {'threads':>7s} {'experts':>7s} {'tokens':>6s} {'ms/call':>8s} "
-          f"{'ms/expert':>9s} {'GB/s':>6s}")  # fmt: skip
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
+        f"{torch.__version__}, mkldnn bf16: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}"
+    )
+    print(
+        f"{'dtype':9s} {'threads':>7s} {'experts':>7s} {'tokens':>6s} {'ms/call':>8s} "
+        f"{'ms/expert':>9s} {'GB/s':>6s}"
+    )
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         w13 = torch.randn(args.experts, 2 * i, h).to(dtype)
         w2 = torch.randn(args.experts, h, i).to(dtype)
@@ -49,8 +53,11 @@ def main() -> None:
             for n_experts, tokens in [(1, 1), (1, 2), (1, 8), (4, 1), (4, 2)]:
                 ms = time_call(w13, w2, n_experts, tokens, k, args.repeat)
                 gbs = n_experts * nbytes / ms / 1e6
-                print(f"{str(dtype)[6:]:9s} {threads:7d} {n_experts:7d} {tokens:6d} {ms:8.3f} "
-                      f"{ms / n_experts:9.3f} {gbs:6.1f}", flush=True)  # fmt: skip
+                print(
+                    f"{str(dtype)[6:]:9s} {threads:7d} {n_experts:7d} {tokens:6d} {ms:8.3f} "
+                    f"{ms / n_experts:9.3f} {gbs:6.1f}",
+                    flush=True,
+                )
 
 
 def time_call(w13, w2, n_experts: int, tokens: int, k: int, repeat: int) -> float:

@@ -144,13 +144,19 @@ def copy_rows() -> list[tuple[str, float]]:
     src, dst = Rows.of(host13, host2), Rows.of(dst13, dst2)
     every = list(range(64))
     for label, launch in (
-        ("64 experts, 128 copies", lambda: torch._foreach_copy_(
-            [*dst13, *dst2], [*host13, *host2], non_blocking=True)),
-        ("64 experts, 128 copies through the runtime", lambda: copies.launch(
-            src, dst, every, every, stream)),
-        ("64 experts, 2 copies", lambda: (dst13.copy_(host13, non_blocking=True),
-                                          dst2.copy_(host2, non_blocking=True))),
-    ):  # fmt: skip
+        (
+            "64 experts, 128 copies",
+            lambda: torch._foreach_copy_([*dst13, *dst2], [*host13, *host2], non_blocking=True),
+        ),
+        (
+            "64 experts, 128 copies through the runtime",
+            lambda: copies.launch(src, dst, every, every, stream),
+        ),
+        (
+            "64 experts, 2 copies",
+            lambda: (dst13.copy_(host13, non_blocking=True), dst2.copy_(host2, non_blocking=True)),
+        ),
+    ):
         with torch.cuda.stream(stream):
             launch()
             stream.synchronize()

@@ -123,8 +123,11 @@ class Bench:
             gc.collect()  # the earlier transfer's pinned tables, before the next are made
             t0 = time.perf_counter()
             self.encoded[name] = e = EncodedCopies(self.ckpt.experts, name, self.dev)
-            print(f"encoded ({describe(name)}) in {time.perf_counter() - t0:.1f} s: "
-                  f"{e.ratio:.4f} of the bytes", flush=True)  # fmt: skip
+            print(
+                f"encoded ({describe(name)}) in {time.perf_counter() - t0:.1f} s: "
+                f"{e.ratio:.4f} of the bytes",
+                flush=True,
+            )
         return self.encoded[name]
 
     def measure(self, rt: Runtime, label: str, graphs: bool) -> None:
@@ -155,11 +158,15 @@ def main() -> None:
             "--ahead-from recorded needs rows that follow the resident tokens (no --no-follow)"
         )
     bench = Bench(
-        args=args, ckpt=ckpt, dev=dev, cfg=bench_config(args),
-        decode=DecodeConfig(max_new_tokens=args.gen_length), follow=args.follow,
+        args=args,
+        ckpt=ckpt,
+        dev=dev,
+        cfg=bench_config(args),
+        decode=DecodeConfig(max_new_tokens=args.gen_length),
+        follow=args.follow,
         kernel_modes=KERNEL_MODES[args.kernels],
         work=replay_workload(args.routing, args.prompts) if args.routing else None,
-    )  # fmt: skip
+    )
     oracle = resident_rows(bench)
     bench.save()
     for transfer in args.transfers.split(","):  # each transfer's experts encoded once
@@ -257,9 +264,12 @@ def parser() -> argparse.ArgumentParser:
 def bench_config(args: argparse.Namespace) -> BenchConfig:
     """Warm-up, timed runs and lengths of every row."""
     return BenchConfig(
-        gen_length=args.gen_length, prompt_length=args.prompt_length, runs=args.runs,
-        warmup_runs=args.warmup_runs, profile=args.profile,
-    )  # fmt: skip
+        gen_length=args.gen_length,
+        prompt_length=args.prompt_length,
+        runs=args.runs,
+        warmup_runs=args.warmup_runs,
+        profile=args.profile,
+    )
 
 
 def resident_rows(bench: Bench) -> RecordedRouting | None:
@@ -270,8 +280,14 @@ def resident_rows(bench: Bench) -> RecordedRouting | None:
     oracle = None
     graph_modes = (True,) if bench.work else (True, False)
     for kernels, graphs in [(k, g) for k in bench.kernel_modes for g in graph_modes]:
-        rt = Runtime(checkpoint=bench.ckpt, device=bench.dev, executor=resident,
-                     decode=bench.decode, graphs=graphs, kernels=kernels)  # fmt: skip
+        rt = Runtime(
+            checkpoint=bench.ckpt,
+            device=bench.dev,
+            executor=resident,
+            decode=bench.decode,
+            graphs=graphs,
+            kernels=kernels,
+        )
         mode = ("graphs" if graphs else "eager") + suffix(kernels)
         bench.measure(rt, f"resident {mode}", graphs)
         resident_prompt_rows(bench, rt, mode)
@@ -310,9 +326,15 @@ def combos(args: argparse.Namespace, kernel_modes: list[str]) -> list[Combo]:
     transfers = args.transfers.split(",")
     return [
         Combo(n, g, k, a, pl, c == "batched", d, t)
-        for n in names for g in graph_modes for k in kernel_modes for a in ahead for pl in planners
-        for c in launches for d in drivers for t in transfers
-    ]  # fmt: skip
+        for n in names
+        for g in graph_modes
+        for k in kernel_modes
+        for a in ahead
+        for pl in planners
+        for c in launches
+        for d in drivers
+        for t in transfers
+    ]
 
 
 def budget_rows(bench: Bench, frac: float, oracle: RecordedRouting | None, transfer: str) -> None:
@@ -335,18 +357,33 @@ def offloaded_row(
     transfer = bench.transfer(c.transfer)
     cost, costs = decision_cost(args.cost, ckpt, dev, transfer)  # priced by what a copy moves
     planner = make_planner(
-        ckpt, dev, slots, 8, p["allocation"], p["retention"], p["compensation"], cost,
-        c.prefetch, c.planner,
-    )  # fmt: skip
+        ckpt,
+        dev,
+        slots,
+        8,
+        p["allocation"],
+        p["retention"],
+        p["compensation"],
+        cost,
+        c.prefetch,
+        c.planner,
+    )
     engine = make_engine(ckpt, dev, planner, c.driver, transfer)
     recorded = bool(c.prefetch) and oracle is not None
     observers = [engine]
     if recorded:
         engine.predict = oracle
         observers.append(oracle)
-    rt = Runtime(checkpoint=ckpt, device=dev, executor=engine, decode=bench.decode,
-                 observers=observers, graphs=c.graphs, kernels=c.kernels,
-                 costs=costs)  # fmt: skip
+    rt = Runtime(
+        checkpoint=ckpt,
+        device=dev,
+        executor=engine,
+        decode=bench.decode,
+        observers=observers,
+        graphs=c.graphs,
+        kernels=c.kernels,
+        costs=costs,
+    )
     label = row_label(c, frac, recorded, planner.compiled, engine)
     bench.measure(rt, label, c.graphs)
     if hasattr(p["compensation"], "slowdown"):  # learned from the measured CPU experts

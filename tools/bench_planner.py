@@ -87,8 +87,10 @@ def bench(name: str, routed: tuple[np.ndarray, np.ndarray], args) -> None:
             us, hit_rate, misses = min(
                 run(anchor, compiled, ids, weights, args.slots_per_layer, load) for _ in range(3)
             )
-            print(f"  {anchor:10s} {PLANNERS[compiled]:8s} {us:6.1f} us per plan  "
-                  f"hit rate {hit_rate:.3f}  misses per plan {misses:.1f}")  # fmt: skip
+            print(
+                f"  {anchor:10s} {PLANNERS[compiled]:8s} {us:6.1f} us per plan  "
+                f"hit rate {hit_rate:.3f}  misses per plan {misses:.1f}"
+            )
 
 
 PLANNERS = {False: "python", True: "compiled"}
@@ -100,9 +102,15 @@ def fresh_planner(
     """A planner with the anchor configuration's fresh policies, `slots` per layer, an 8-slot
     stage and the H200 cost profile, compiled or in Python."""
     return Planner.for_model(
-        layers, experts, top_k, layers * slots, stage_capacity=8, cost=CostModel.profile("h200"),
-        compiled=compiled, **anchor_policies(anchor),
-    )  # fmt: skip
+        layers,
+        experts,
+        top_k,
+        layers * slots,
+        stage_capacity=8,
+        cost=CostModel.profile("h200"),
+        compiled=compiled,
+        **anchor_policies(anchor),
+    )
 
 
 def run(

@@ -28,8 +28,9 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=3)
     ap.add_argument("--label", default="")
     args = ap.parse_args()
-    rt = build_runtime(model=args.model, device="cuda",
-                       budget=Budget("expert_fraction", args.budget))  # fmt: skip
+    rt = build_runtime(
+        model=args.model, device="cuda", budget=Budget("expert_fraction", args.budget)
+    )
     log = instrument(rt.executor)
     ids = random_prompt(rt, args.prompt_length, seed=0)
     decode = replace(rt.decode, max_new_tokens=args.gen_length)
@@ -67,14 +68,18 @@ def instrument(engine) -> list[tuple]:
 def report(label: str, n: int, a: np.ndarray, rt) -> None:
     for name, rows in (("prompt", a[a[:, 0] > 100]), ("decode", a[a[:, 0] <= 100])):
         if len(rows):
-            print(f"{label} gen {n} {name}: {len(rows)} CPU jobs, experts/job "
-                  f"{rows[:, 1].mean():.1f}, tokens/job {rows[:, 2].mean():.1f}, measured "
-                  f"{rows[:, 3].mean():.3f} ms, modelled {rows[:, 4].mean():.3f} ms, "
-                  f"sync-wait {rows[:, 5].mean():.3f} ms")  # fmt: skip
+            print(
+                f"{label} gen {n} {name}: {len(rows)} CPU jobs, experts/job "
+                f"{rows[:, 1].mean():.1f}, tokens/job {rows[:, 2].mean():.1f}, measured "
+                f"{rows[:, 3].mean():.3f} ms, modelled {rows[:, 4].mean():.3f} ms, "
+                f"sync-wait {rows[:, 5].mean():.3f} ms"
+            )
     engine = rt.executor
-    print(f"{label} gen {n}: slowdown {engine.planner.compensation.slowdown:.2f} driver "
-          f"{engine.driver is not None} cpu_share {rt.stats()['cpu_share']:.4f} p50 "
-          f"{np.median(rt.last_stats.decode_ms):.2f}")  # fmt: skip
+    print(
+        f"{label} gen {n}: slowdown {engine.planner.compensation.slowdown:.2f} driver "
+        f"{engine.driver is not None} cpu_share {rt.stats()['cpu_share']:.4f} p50 "
+        f"{np.median(rt.last_stats.decode_ms):.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -213,9 +213,13 @@ def engine_check(
     """The offload engine on `device` with `codec` as transfer (budget expert_fraction 0.25),
     every miss copied: whether its tokens equal the swapped resident model's (`expected`)."""
     rt = build_runtime(
-        model=model, device=device, dtype="bfloat16", budget=Budget("expert_fraction", 0.25),
-        transfer=codec, cost="cpu-ci" if device == "cpu" else "h200",
-    )  # fmt: skip
+        model=model,
+        device=device,
+        dtype="bfloat16",
+        budget=Budget("expert_fraction", 0.25),
+        transfer=codec,
+        cost="cpu-ci" if device == "cpu" else "h200",
+    )
     with rt.executor.planner.all_on_device():
         got = generate_all(rt, prompts, decode)
     return {"prompts": len(prompts), "identical": got == expected}
@@ -251,24 +255,34 @@ def main(argv: list[str] | None = None) -> None:
     """Parse flags, measure each codec against resident bf16, print and write the results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model directory (built-in default)")
-    ap.add_argument("--codecs", default="fp8",
-                    help=f"comma-separated, of {', '.join(CODECS)}")  # fmt: skip
+    ap.add_argument("--codecs", default="fp8", help=f"comma-separated, of {', '.join(CODECS)}")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda for a large model")
     ap.add_argument(
-        "--prompts", type=Path, action="append",
+        "--prompts",
+        type=Path,
+        action="append",
         help="jsonl with a 'prompt' (or 'messages') field, repeatable; default: "
         + ", ".join(str(p.relative_to(REPO)) for p in PROMPT_FILES),
-    )  # fmt: skip
+    )
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threshold", type=float, default=0.95)
     ap.add_argument("--data", choices=("auto", "train", "corpus"), default="auto")
-    ap.add_argument("--cache", type=Path, default=Path(TrainConfig().cache).expanduser(),
-                    help="where the training source archives are (only read)")  # fmt: skip
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=Path(TrainConfig().cache).expanduser(),
+        help="where the training source archives are (only read)",
+    )
     ap.add_argument("--eval-batches", type=int, help="train data: batches (train_config's)")
     ap.add_argument("--corpus-blocks", type=int, default=2, help="corpus window, in blocks")
     ap.add_argument("--corpus-draws", type=int, default=32, help="noise draws per window")
-    ap.add_argument("--engine-check", type=int, default=2, metavar="N",
-                    help="prompts to decode with the real offload engine (0: none)")  # fmt: skip
+    ap.add_argument(
+        "--engine-check",
+        type=int,
+        default=2,
+        metavar="N",
+        help="prompts to decode with the real offload engine (0: none)",
+    )
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
 
@@ -291,16 +305,21 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--data train: the archives of {', '.join(PACKAGES)} are not in {args.cache}")
         batches = train_batches(rt, cfg, args.cache)
         data_info = {
-            "source": "train-val", "cache": str(args.cache), "batches": len(batches),
-            "batch": cfg.batch, "seq_len": cfg.blocks * cfg.block_length,
-        }  # fmt: skip
+            "source": "train-val",
+            "cache": str(args.cache),
+            "batches": len(batches),
+            "batch": cfg.batch,
+            "seq_len": cfg.blocks * cfg.block_length,
+        }
     else:
         batches = corpus_batches(rt, cfg, args.corpus_blocks, args.corpus_draws)
         data_info = {
-            "source": "corpus", "file": str(CORPUS.relative_to(REPO)),
+            "source": "corpus",
+            "file": str(CORPUS.relative_to(REPO)),
             "windows": batches[0].tokens.shape[0] // args.corpus_draws,
-            "draws": args.corpus_draws, "seq_len": batches[0].tokens.shape[1],
-        }  # fmt: skip
+            "draws": args.corpus_draws,
+            "seq_len": batches[0].tokens.shape[1],
+        }
     data_info |= {"data_seed": DATA_SEED, "noise_seed": NOISE_SEED}
     print(f"model {model_dir}; {len(prompts)} prompts; loss data: {data_info['source']}")
 
@@ -309,10 +328,13 @@ def main(argv: list[str] | None = None) -> None:
     base_tokens = generate_all(rt, prompts, decode)
     baseline = validation(rt, batches, cfg)
     result: dict[str, Any] = {
-        "model": str(model_dir), "prompts": {"sources": prompt_sources, "count": len(prompts)},
-        "decode": decode | {"chat": True, "greedy": True}, "loss_data": data_info,
-        "baseline": baseline, "codecs": {},
-    }  # fmt: skip
+        "model": str(model_dir),
+        "prompts": {"sources": prompt_sources, "count": len(prompts)},
+        "decode": decode | {"chat": True, "greedy": True},
+        "loss_data": data_info,
+        "baseline": baseline,
+        "codecs": {},
+    }
     for codec in codecs:
         t = time.time()
         new13 = [lossy_copy(w, codec) for w in w13]

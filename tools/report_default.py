@@ -142,9 +142,14 @@ def measure(path: Path, prompts: list[str], max_new_tokens: int) -> dict:
         seconds += time.perf_counter() - t0
         st = rt.last_stats
         answers.append(
-            {"prompt": prompt, "answer": rt.tokenizer.decode(out), "tokens": st.new_tokens,
-             "iterations": st.iterations, "seconds": time.perf_counter() - t0}
-        )  # fmt: skip
+            {
+                "prompt": prompt,
+                "answer": rt.tokenizer.decode(out),
+                "tokens": st.new_tokens,
+                "iterations": st.iterations,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
     stats.remove()
     count()
     summary = stats.summary(rt.config.num_experts)
@@ -156,9 +161,12 @@ def measure(path: Path, prompts: list[str], max_new_tokens: int) -> dict:
 def random_twin(trained: Path, out: Path) -> Path:
     cfg = ModelConfig.from_json(trained)
     return save_checkpoint(
-        out, config=cfg, tensors=random_tensors(cfg, seed=0), tokenizer=Tokenizer.from_dir(trained),
+        out,
+        config=cfg,
+        tensors=random_tensors(cfg, seed=0),
+        tokenizer=Tokenizer.from_dir(trained),
         shard_bytes=None,
-    )  # fmt: skip
+    )
 
 
 def plot(history: list[dict], path: Path) -> None:

@@ -92,15 +92,24 @@ def bench_runtime(
     return row | _execution(rt)
 
 
-def _profile_into(row: dict, rt: Runtime, cfg: BenchConfig, prompt: list[int], decode,
-                  follow=None, replay: tuple[Any, int] | None = None) -> None:  # fmt: skip
+def _profile_into(
+    row: dict,
+    rt: Runtime,
+    cfg: BenchConfig,
+    prompt: list[int],
+    decode,
+    follow=None,
+    replay: tuple[Any, int] | None = None,
+) -> None:
     """With `cfg.profile`: the device stage times (CUDA only) and the host times, into `row`."""
     if cfg.profile and rt.device.type == "cuda":
-        row["stages_ms_per_iteration"] = stage_breakdown(rt, prompt, decode, follow=follow,
-                                                         replay=replay)  # fmt: skip
+        row["stages_ms_per_iteration"] = stage_breakdown(
+            rt, prompt, decode, follow=follow, replay=replay
+        )
     if cfg.profile:
-        row["host_ms_per_iteration"] = host_breakdown(rt, prompt, decode, follow=follow,
-                                                      replay=replay)  # fmt: skip
+        row["host_ms_per_iteration"] = host_breakdown(
+            rt, prompt, decode, follow=follow, replay=replay
+        )
 
 
 def _digest(tokens: list[int]) -> str:
@@ -146,10 +155,18 @@ def _offload_summary(per_run: list[dict]) -> dict[str, float]:
     the copies of the prompt forward."""
     decode = with_rates(_sum(per_run, "decode"))
     n = max(1, sum(o["decode"]["iterations"] for o in per_run))
-    out = {key: decode[key] for key in (
-        "hit_rate", "cpu_share", "host_us_per_layer", "plan_us_per_layer", "launch_us_per_layer",
-        "pass_us_per_layer", "sync_us_per_layer",
-    )}  # fmt: skip
+    out = {
+        key: decode[key]
+        for key in (
+            "hit_rate",
+            "cpu_share",
+            "host_us_per_layer",
+            "plan_us_per_layer",
+            "launch_us_per_layer",
+            "pass_us_per_layer",
+            "sync_us_per_layer",
+        )
+    }
     for key in ("copies", "copy_bytes", "cpu_experts", "stall_ms", "copy_ms", "predicted"):
         out[f"{key}_per_iteration"] = decode[key] / n
     if decode["cpu_experts"]:  # the host's compute time per CPU expert

@@ -17,8 +17,14 @@ from oled.model.stages import STAGES, annotate
 from oled.runtime import Runtime
 
 
-def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, follow=None,
-                    replay: tuple[Any, int] | None = None):  # fmt: skip
+def stage_breakdown(
+    rt: Runtime,
+    prompt: list[int],
+    decode,
+    iterations: int = 3,
+    follow=None,
+    replay: tuple[Any, int] | None = None,
+):
     """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
     iterations (after the prompt's) of one extra eager generation under the profiler: every
     kernel and copy counts for the innermost stage that launched it. The graphs replay the same
@@ -28,8 +34,7 @@ def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3,
 
     graphed, rt.forward = rt.forward, EagerForward(rt.model)
     try:
-        window, off = _profiled(rt, prompt, decode, iterations, follow, device=True,
-                                replay=replay)  # fmt: skip
+        window, off = _profiled(rt, prompt, decode, iterations, follow, device=True, replay=replay)
     finally:
         rt.forward = graphed
     totals = _stage_device_us(window.profiler.events())
@@ -40,8 +45,14 @@ def stage_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3,
     return out
 
 
-def host_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, follow=None,
-                   replay: tuple[Any, int] | None = None):  # fmt: skip
+def host_breakdown(
+    rt: Runtime,
+    prompt: list[int],
+    decode,
+    iterations: int = 3,
+    follow=None,
+    replay: tuple[Any, int] | None = None,
+):
     """Host milliseconds per iteration of each stage range (inclusive: `copies` lies inside
     `host decision`) and of each CUDA API call (cudaGraphLaunch, cudaMemcpyAsync, ...), from a
     few iterations of one more generation run as the runtime runs it (graphs kept) under a
@@ -54,8 +65,16 @@ def host_breakdown(rt: Runtime, prompt: list[int], decode, iterations: int = 3, 
     return {name: us / 1000 / max(1, window.seen) for name, us in totals.items()}
 
 
-def _profiled(rt: Runtime, prompt: list[int], decode, iterations: int, follow, *, device: bool,
-              replay: tuple[Any, int] | None = None):  # fmt: skip
+def _profiled(
+    rt: Runtime,
+    prompt: list[int],
+    decode,
+    iterations: int,
+    follow,
+    *,
+    device: bool,
+    replay: tuple[Any, int] | None = None,
+):
     """One generation (following `follow` if given; the replay of (trace, prompt index) if
     `replay`) with iterations 1 .. `iterations` under the profiler: (the window, the engine's
     figures)."""
@@ -131,8 +150,9 @@ def _device_work(event) -> bool:
     kind = getattr(event, "activity_type", None)
     if kind is not None:
         return kind in ("kernel", "gpu_memcpy", "gpu_memset")
-    return not (getattr(event, "is_user_annotation", False) or event.name in STAGES
-                or "Sync" in event.name)  # fmt: skip
+    return not (
+        getattr(event, "is_user_annotation", False) or event.name in STAGES or "Sync" in event.name
+    )
 
 
 def _is_api_call(name: str) -> bool:

@@ -123,8 +123,14 @@ def _sync(rt: Runtime) -> None:
         torch.cuda.synchronize()
 
 
-def _row(label: str, n: int, done: list[Request], copies: float, seconds: float,
-         reference: list[list[int] | None]) -> dict[str, Any]:  # fmt: skip
+def _row(
+    label: str,
+    n: int,
+    done: list[Request],
+    copies: float,
+    seconds: float,
+    reference: list[list[int] | None],
+) -> dict[str, Any]:
     """One row's figures."""
     tokens = sum(len(r.tokens or []) for r in done)
     ttft = [1000 * ((r.first or r.done) - r.arrived) for r in done]
@@ -132,12 +138,19 @@ def _row(label: str, n: int, done: list[Request], copies: float, seconds: float,
     p50, p90 = median_p90(ttft)
     equal = sum(r.tokens == ref for r, ref in zip(done, reference, strict=True))
     return {
-        "config": label, "streams": n, "requests": len(done), "tokens": tokens,
-        "seconds": seconds, "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "config": label,
+        "streams": n,
+        "requests": len(done),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
         "request_tokens_per_second": sum(per_request) / len(per_request) if per_request else 0.0,
-        "ttft_ms_p50": p50, "ttft_ms_p90": p90, "copies": copies,
-        "copies_per_token": copies / tokens if tokens else 0.0, "equal": equal,
-    }  # fmt: skip
+        "ttft_ms_p50": p50,
+        "ttft_ms_p90": p90,
+        "copies": copies,
+        "copies_per_token": copies / tokens if tokens else 0.0,
+        "equal": equal,
+    }
 
 
 def streams_table(rows: list[dict[str, Any]]):
@@ -145,18 +158,31 @@ def streams_table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
     out = Table(show_edge=False, header_style="bold")
-    cols = ["config", "streams", "tokens/s", "x 1 stream", "per request tok/s", "TTFT p50 ms",
-            "TTFT p90 ms", "copies/token", "= 1 stream"]  # fmt: skip
+    cols = [
+        "config",
+        "streams",
+        "tokens/s",
+        "x 1 stream",
+        "per request tok/s",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "copies/token",
+        "= 1 stream",
+    ]
     for col in cols:
         out.add_column(col, justify="left" if col == "config" else "right")
     first: dict[str, float] = {}
     for r in rows:
         base = first.setdefault(r["config"], r["tokens_per_second"])
         out.add_row(
-            r["config"], str(r["streams"]), f"{r['tokens_per_second']:.1f}",
+            r["config"],
+            str(r["streams"]),
+            f"{r['tokens_per_second']:.1f}",
             f"{r['tokens_per_second'] / base:.2f}" if base else "-",
-            f"{r['request_tokens_per_second']:.1f}", f"{r['ttft_ms_p50']:.0f}",
-            f"{r['ttft_ms_p90']:.0f}", f"{r['copies_per_token']:.1f}",
+            f"{r['request_tokens_per_second']:.1f}",
+            f"{r['ttft_ms_p50']:.0f}",
+            f"{r['ttft_ms_p90']:.0f}",
+            f"{r['copies_per_token']:.1f}",
             f"{r['equal']}/{r['requests']}",
-        )  # fmt: skip
+        )
     return out

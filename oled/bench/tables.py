@@ -50,21 +50,36 @@ def _caption(rows: list[dict[str, Any]]) -> str:
 
 def _columns(ratios: bool, offload: bool, ahead: bool) -> list[str]:
     """End to end first (tokens/s, the mean over all forwards), then the iterations."""
-    cols = ["config", "tokens/s", "ms/fwd mean", "ms/iter p50", "ms/iter p90", "prompt ms",
-            "tokens/fwd", "= resident", "max Δlogit"]  # fmt: skip
+    cols = [
+        "config",
+        "tokens/s",
+        "ms/fwd mean",
+        "ms/iter p50",
+        "ms/iter p90",
+        "prompt ms",
+        "tokens/fwd",
+        "= resident",
+        "max Δlogit",
+    ]
     cols += ["ms vs 1st"] * ratios
     cols += OFFLOAD_COLUMNS * offload
     return cols + ["ahead/it (used)"] * ahead
 
 
-def _cells(r: dict[str, Any], first: dict[str, Any], ratios: bool, offload: bool,
-           ahead: bool) -> list[str]:  # fmt: skip
+def _cells(
+    r: dict[str, Any], first: dict[str, Any], ratios: bool, offload: bool, ahead: bool
+) -> list[str]:
     """One row's cells, in the order of `_columns`."""
-    cells = [r["label"], _with_spread(r["tokens_per_second"], r.get("tokens_per_second_passes")),
-             f"{r['ms_per_forward_mean']:.2f}",
-             f"{r['ms_per_iteration_median']:.2f}", f"{r['ms_per_iteration_p90']:.2f}",
-             _fmt(r.get("prompt_ms"), "{:.1f}"), f"{r['tokens_per_forward']:.2f}",
-             *_agreement_cells(r.get("agreement"))]  # fmt: skip
+    cells = [
+        r["label"],
+        _with_spread(r["tokens_per_second"], r.get("tokens_per_second_passes")),
+        f"{r['ms_per_forward_mean']:.2f}",
+        f"{r['ms_per_iteration_median']:.2f}",
+        f"{r['ms_per_iteration_p90']:.2f}",
+        _fmt(r.get("prompt_ms"), "{:.1f}"),
+        f"{r['tokens_per_forward']:.2f}",
+        *_agreement_cells(r.get("agreement")),
+    ]
     cells += [f"{r['ms_ratio_to_first']:.2f}x"] * ratios
     o = r.get("offload", {})
     if offload:
@@ -99,16 +114,20 @@ def _offload_cells(o: dict[str, Any], prompt_ms: float | None) -> list[str]:
     """The cells under OFFLOAD_COLUMNS (`prompt_ms` against its copies' time: 1.00x when the
     copy stream is busy all through the prompt forward)."""
     copies = o.get("prompt_copy_ms")
-    return [_fmt(o.get("hit_rate"), "{:.1%}"), _fmt(o.get("copies_per_iteration")),
-            _fmt(o.get("copy_bytes_per_iteration"), "{:.1f}", 1e-6),
-            _fmt(o.get("cpu_share"), "{:.1%}"), _fmt(o.get("prompt_cpu_share"), "{:.1%}"),
-            _fmt(o.get("stall_ms_per_iteration"), "{:.2f}"),
-            _fmt(o.get("copy_ms_per_iteration"), "{:.2f}"),
-            _fmt(o.get("copy_gb_per_s"), "{:.1f}"),
-            _fmt(prompt_ms / copies if prompt_ms and copies else None, "{:.2f}x"),
-            _fmt(o.get("host_us_per_layer"), "{:.0f}"),
-            _host_split(o),
-            _fmt(o.get("sync_us_per_layer"), "{:.0f}")]  # fmt: skip
+    return [
+        _fmt(o.get("hit_rate"), "{:.1%}"),
+        _fmt(o.get("copies_per_iteration")),
+        _fmt(o.get("copy_bytes_per_iteration"), "{:.1f}", 1e-6),
+        _fmt(o.get("cpu_share"), "{:.1%}"),
+        _fmt(o.get("prompt_cpu_share"), "{:.1%}"),
+        _fmt(o.get("stall_ms_per_iteration"), "{:.2f}"),
+        _fmt(o.get("copy_ms_per_iteration"), "{:.2f}"),
+        _fmt(o.get("copy_gb_per_s"), "{:.1f}"),
+        _fmt(prompt_ms / copies if prompt_ms and copies else None, "{:.2f}x"),
+        _fmt(o.get("host_us_per_layer"), "{:.0f}"),
+        _host_split(o),
+        _fmt(o.get("sync_us_per_layer"), "{:.0f}"),
+    ]
 
 
 def stage_table(rows: list[dict[str, Any]]):
@@ -124,8 +143,9 @@ def stage_table(rows: list[dict[str, Any]]):
     for r in rows:
         stages = r.get("stages_ms_per_iteration", {})
         total = sum(v for k, v in stages.items() if k != "CPU experts") if stages else None
-        out.add_row(r["label"], *(_fmt(stages.get(n), "{:.3f}") for n in names),
-                    _fmt(total, "{:.3f}"))  # fmt: skip
+        out.add_row(
+            r["label"], *(_fmt(stages.get(n), "{:.3f}") for n in names), _fmt(total, "{:.3f}")
+        )
     return out
 
 

@@ -110,9 +110,13 @@ class BatchDecoder:
         return bool(self.active or self.waiting)
 
     def add(
-        self, prompt: Sequence[int], cfg: DecodeConfig, *,
-        cancelled: Callable[[], bool] = lambda: False, tag: Any = None,
-    ) -> Stream:  # fmt: skip
+        self,
+        prompt: Sequence[int],
+        cfg: DecodeConfig,
+        *,
+        cancelled: Callable[[], bool] = lambda: False,
+        tag: Any = None,
+    ) -> Stream:
         """Queue a generation; it joins at the next `step` with a free slot. ValueError for
         an empty prompt, a block length other than the batch's, or too many positions."""
         if not prompt:
@@ -128,10 +132,15 @@ class BatchDecoder:
         if cfg.temperature:
             gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         stream = Stream(
-            prompt=list(prompt), cfg=cfg, cancelled=cancelled, tag=tag,
-            seq=masked_sequence(prompt, total, self.mask_id, self.device), first=first,
-            stats=GenerationStats(prompt_tokens=len(prompt)), gen=gen,
-        )  # fmt: skip
+            prompt=list(prompt),
+            cfg=cfg,
+            cancelled=cancelled,
+            tag=tag,
+            seq=masked_sequence(prompt, total, self.mask_id, self.device),
+            first=first,
+            stats=GenerationStats(prompt_tokens=len(prompt)),
+            gen=gen,
+        )
         self.waiting.append(stream)
         return stream
 
@@ -183,7 +192,7 @@ class BatchDecoder:
                 forward_tokens=n,
                 seconds=seconds,
                 logits=lg,
-            )  # fmt: skip
+            )
             for s, (commit, conf), lg, n in zip(self.active, commits, blocks, ran, strict=True)
         ]
         self._emit(
@@ -231,10 +240,14 @@ class BatchDecoder:
         tokens = torch.cat([s.seq[0, s.cached : s.end] for s in streams])[None]  # [1, T]
         lengths = [s.end - s.cached for s in streams]
         rows = BatchRows.build(
-            [s.slot for s in streams], [s.cached for s in streams], lengths,
-            [s.start - s.cached for s in streams], keys=self._keys(max(s.end for s in streams)),
-            device=self.device, exact=not self.forward.graphed,
-        )  # fmt: skip
+            [s.slot for s in streams],
+            [s.cached for s in streams],
+            lengths,
+            [s.start - s.cached for s in streams],
+            keys=self._keys(max(s.end for s in streams)),
+            device=self.device,
+            exact=not self.forward.graphed,
+        )
         logits = self.forward.batch(
             tokens, rows=rows, cache=self.cache, block_length=self.block_length
         )  # [1, B * L, V]
@@ -268,9 +281,12 @@ class BatchDecoder:
         s.generated += new
         s.stats.new_tokens, s.stats.blocks = len(s.generated), s.block + 1
         info = BlockInfo(
-            block=s.block, block_start=s.start, tokens=block.clone(), new_tokens=new,
+            block=s.block,
+            block_start=s.start,
+            tokens=block.clone(),
+            new_tokens=new,
             iterations=s.iteration + 1,
-        )  # fmt: skip
+        )
         self._emit("on_block_end", info)
         if stop_at is not None or len(s.generated) >= cfg.max_new_tokens:
             return self._leave(s, "stop" if stop_at is not None else "length", info)

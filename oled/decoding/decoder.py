@@ -152,15 +152,19 @@ class BlockDecoder:
                 self.stats.stopped = "cancelled"
                 return
             block = seq[0, start : start + bl]
-            new, stop_at = block_answer(block, p - start, cfg.max_new_tokens - len(generated),
-                                        self.stop_ids)  # fmt: skip
+            new, stop_at = block_answer(
+                block, p - start, cfg.max_new_tokens - len(generated), self.stop_ids
+            )
             generated += new
             self.stats.new_tokens = len(generated)
             self.stats.blocks = b + 1
             info = BlockInfo(
-                block=b, block_start=start, tokens=block.clone(), new_tokens=new,
+                block=b,
+                block_start=start,
+                tokens=block.clone(),
+                new_tokens=new,
                 iterations=iterations,
-            )  # fmt: skip
+            )
             self._emit("on_block_end", info)
             yield info
             if stop_at is not None:
@@ -214,12 +218,19 @@ class BlockDecoder:
             self._emit(
                 "on_iteration",
                 IterationInfo(
-                    block=b, iteration=it, step=self.stats.iterations - 1, block_start=start,
-                    tokens=seq[0, start:end].clone(), masked=masked,
-                    confidence=torch.where(masked, conf, 1.0), committed=commit,
-                    forward_tokens=ran, seconds=seconds, logits=logits,
+                    block=b,
+                    iteration=it,
+                    step=self.stats.iterations - 1,
+                    block_start=start,
+                    tokens=seq[0, start:end].clone(),
+                    masked=masked,
+                    confidence=torch.where(masked, conf, 1.0),
+                    committed=commit,
+                    forward_tokens=ran,
+                    seconds=seconds,
+                    logits=logits,
                 ),
-            )  # fmt: skip
+            )
             masked = still
             it += 1
         if follow is not None and follow.agreement:

@@ -87,8 +87,11 @@ class Agreement(DecodeObserver):
         step = len(self.steps) - 1
         if info.logits is not None and step < len(self.reference.logits):
             ids = self.reference.logits[step][1]  # [L, top]
-            self.picked.append(torch.cat(  # [L, top + 1]: at the reference's ids, then the max
-                (info.logits.gather(-1, ids), info.logits.amax(-1, keepdim=True)), dim=-1))  # fmt: skip
+            self.picked.append(
+                torch.cat(  # [L, top + 1]: at the reference's ids, then the max
+                    (info.logits.gather(-1, ids), info.logits.amax(-1, keepdim=True)), dim=-1
+                )
+            )
 
     def on_block_end(self, info: BlockInfo) -> None:
         self.tokens += info.new_tokens
@@ -103,11 +106,17 @@ class Agreement(DecodeObserver):
         upto = len(self.picked) if diverged is None else min(diverged + 1, len(self.picked))
         diff = None
         if upto:
-            gaps = [(mine - torch.cat((vals, vals[:, :1]), dim=-1)).abs().amax()
-                    for mine, (vals, _) in zip(self.picked[:upto], ref.logits, strict=False)]  # fmt: skip
+            gaps = [
+                (mine - torch.cat((vals, vals[:, :1]), dim=-1)).abs().amax()
+                for mine, (vals, _) in zip(self.picked[:upto], ref.logits, strict=False)
+            ]
             diff = float(torch.stack(gaps).amax())
-        return {"tokens_equal": first is None, "first_divergence": first,
-                "diverged_step": diverged, "max_logit_diff": diff}  # fmt: skip
+        return {
+            "tokens_equal": first is None,
+            "first_divergence": first,
+            "diverged_step": diverged,
+            "max_logit_diff": diff,
+        }
 
 
 def _first_difference(mine: list[int], theirs: list[int]) -> int | None:
@@ -125,8 +134,12 @@ def _first_differing_step(
     """The first step whose commits or tokens differ (a step past the shorter), None: none."""
     n = min(len(mine), len(theirs))
     if n:
-        same = torch.stack([(a[0] == b[0]).all() & (a[1] == b[1]).all()
-                            for a, b in zip(mine[:n], theirs[:n], strict=True)])  # fmt: skip
+        same = torch.stack(
+            [
+                (a[0] == b[0]).all() & (a[1] == b[1]).all()
+                for a, b in zip(mine[:n], theirs[:n], strict=True)
+            ]
+        )
         bad = (~same).nonzero()  # the one host sync
         if len(bad):
             return int(bad[0])

@@ -167,29 +167,40 @@ def split_prompts(trace, block_length: int = 32) -> list[ReplayPrompt]:
     for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
         where = f"prompt {i} (trace forwards {a}..{b - 1})"
         if not (continues[a : b - 1].all() and ordered[a : b - 1].all()):
-            raise ValueError(f"{where}: its forwards do not run block by block, iteration by "
-                             "iteration")  # fmt: skip
+            raise ValueError(
+                f"{where}: its forwards do not run block by block, iteration by iteration"
+            )
         if block[a] != 0 or iteration[a] != 0:
             raise ValueError(f"{where}: the first forward is not block 0, iteration 0")
         later = np.arange(a + 1, b)
         bad = later[rows[later] != expected[later]]
         if len(bad):
-            raise ValueError(f"{where}: forward {bad[0]} ran {rows[bad[0]]} rows, not "
-                             f"{expected[bad[0]]} (block length {bl})")  # fmt: skip
+            raise ValueError(
+                f"{where}: forward {bad[0]} ran {rows[bad[0]]} rows, not "
+                f"{expected[bad[0]]} (block length {bl})"
+            )
         if (open_after[a:b] == block_ends[a:b]).any():
             raise ValueError(f"{where}: a block ends with masked positions, or goes on without")
         first = int(rows[a]) - bl
         if first < 0 or first % bl:
-            raise ValueError(f"{where}: its prompt forward ran {rows[a]} rows, not a multiple "
-                             f"of the block length {bl}")  # fmt: skip
+            raise ValueError(
+                f"{where}: its prompt forward ran {rows[a]} rows, not a multiple "
+                f"of the block length {bl}"
+            )
         head = state[offsets[a] + first : offsets[a + 1]]  # the first block's rows
         fixed = int((head == TOKEN_FIXED).sum())
         if not (head[:fixed] == TOKEN_FIXED).all() or first + fixed == 0:
             raise ValueError(f"{where}: no prompt before the masked positions of its first block")
-        prompts.append(ReplayPrompt(
-            index=i, first_step=a, steps=b - a, prompt_length=first + fixed, block_length=bl,
-            blocks=int(block[b - 1]) + 1,
-        ))  # fmt: skip
+        prompts.append(
+            ReplayPrompt(
+                index=i,
+                first_step=a,
+                steps=b - a,
+                prompt_length=first + fixed,
+                block_length=bl,
+                blocks=int(block[b - 1]) + 1,
+            )
+        )
     return prompts
 
 
@@ -249,8 +260,7 @@ class RoutingReplay(DecodeObserver):
         self.check(model.config)
         layers, _, k = self.geometry
         device = model.lm_head.weight.device
-        self.override = RoutingOverride(layers=layers, top_k=k, rows=self.max_rows,
-                                        device=device)  # fmt: skip
+        self.override = RoutingOverride(layers=layers, top_k=k, rows=self.max_rows, device=device)
         size = layers * self.max_rows * k
         pin = device.type == "cuda"
         self._ids_host = torch.empty(size, dtype=torch.long, pin_memory=pin)
@@ -267,8 +277,9 @@ class RoutingReplay(DecodeObserver):
     def decode_config(self, index: int, base: DecodeConfig) -> DecodeConfig:
         """`base` with the traced block length and the length that decodes its blocks."""
         p = self.prompts[index]
-        return replace(base, block_length=p.block_length, max_new_tokens=p.max_new_tokens,
-                       use_cache=True)  # fmt: skip
+        return replace(
+            base, block_length=p.block_length, max_new_tokens=p.max_new_tokens, use_cache=True
+        )
 
     def trajectory(self, index: int, token: int) -> ReplayTrajectory:
         """The traced commits (of `token`) and confidences of a prompt, per forward."""

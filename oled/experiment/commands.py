@@ -126,8 +126,10 @@ def _model_rows() -> list[tuple[str, str, str]]:
 
 def _shape(cfg: Any) -> str:
     """A model config's shape in a few words."""
-    return (f"{cfg.num_hidden_layers} layers ({cfg.first_k_dense_replace} dense), hidden "
-            f"{cfg.hidden_size}, {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}")  # fmt: skip
+    return (
+        f"{cfg.num_hidden_layers} layers ({cfg.first_k_dense_replace} dense), hidden "
+        f"{cfg.hidden_size}, {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}"
+    )
 
 
 def cp(
@@ -147,8 +149,10 @@ def cp(
     target = dest / f"{stem}.toml" if dest.is_dir() else dest
     shipped = recipes[stem].read_bytes()
     if target.is_file() and target.read_bytes() != shipped and not force:
-        raise ValueError(f"{target} exists and differs from the shipped {stem} recipe: "
-                         "give --force to overwrite it")  # fmt: skip
+        raise ValueError(
+            f"{target} exists and differs from the shipped {stem} recipe: "
+            "give --force to overwrite it"
+        )
     check_writable(target, "DEST")
     target.write_bytes(shipped)
     typer.echo(str(target))
@@ -186,9 +190,12 @@ def tune(
         raise _fail(f"{recipe}: no [tune] section")
     try:
         result = tune_recipe(
-            loaded, trials=trials, out=out, heartbeat_interval=heartbeat_interval,
+            loaded,
+            trials=trials,
+            out=out,
+            heartbeat_interval=heartbeat_interval,
             grace_period=grace_period,
-        )  # fmt: skip
+        )
     except (ValueError, OSError) as exc:
         raise _fail(str(exc)) from None
     typer.echo(f"best {result.value} {result.params}")

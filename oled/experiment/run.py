@@ -53,8 +53,9 @@ def generate(
     from oled.decoding.follow import Agreement
 
     agree = Agreement(reference) if reference is not None else None
-    runtime.generate(prompt_input(prompt, chat), chat=chat, follow=follow,
-                     observers=[agree] if agree else [])  # fmt: skip
+    runtime.generate(
+        prompt_input(prompt, chat), chat=chat, follow=follow, observers=[agree] if agree else []
+    )
     return dict(runtime.stats()) | ({"agreement": agree.result()} if agree else {})
 
 
@@ -99,9 +100,12 @@ def run_workload(
 
 
 def replay_workload(
-    runtime: Any, recipe: Recipe, trace: Any, indices: Sequence[int],
+    runtime: Any,
+    recipe: Recipe,
+    trace: Any,
+    indices: Sequence[int],
     console: Console | None = None,
-) -> list[Stats]:  # fmt: skip
+) -> list[Stats]:
     """With `workload.routing = "trace:PATH"`: warm-up replays (untimed) and `repeats` timed
     passes over the selected traced prompts (Runtime.replay); the timed ones' stats."""
     wl = recipe.workload
@@ -261,11 +265,13 @@ def run_experiment(
     runtime = factory(recipe)  # set-up errors (model, budget, device) raise before any run
     with tracked_run(recipe) as tracker:
         tracker.log_params(recipe.flatten())
-        tracker.set_tags({
-            "oled.runtime_device": getattr(runtime, "device", None),
-            "oled.planner": planner_kind(runtime),
-            "oled.launch": launch_kind(runtime),
-        })  # fmt: skip
+        tracker.set_tags(
+            {
+                "oled.runtime_device": getattr(runtime, "device", None),
+                "oled.planner": planner_kind(runtime),
+                "oled.launch": launch_kind(runtime),
+            }
+        )
         generations = run_loaded(runtime, recipe, work, console)
         decisions = runtime.decisions() if hasattr(runtime, "decisions") else None
         report = make_report(recipe, generations, time.perf_counter() - start, decisions)

@@ -72,8 +72,9 @@ def _lossless_kernel(desc_ptr, base_ptr, BLOCK: tl.constexpr):
         escaped = tl.load(src + x_off + esc_rank, mask=is_esc, other=0).to(tl.int32)
         p_val = tl.load(src + PRIMARY_BOOK + primary, mask=m & ~is_sec, other=0)
         s_val = tl.load(src + SECONDARY_BOOK + secondary, mask=is_sec & ~is_esc, other=0)
-        exponent = tl.where(is_esc, escaped, tl.where(is_sec, s_val.to(tl.int32),
-                                                      p_val.to(tl.int32)))  # fmt: skip
+        exponent = tl.where(
+            is_esc, escaped, tl.where(is_sec, s_val.to(tl.int32), p_val.to(tl.int32))
+        )
         u = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
         tl.store(dst + w, u.to(tl.int16), mask=m)
 
@@ -108,8 +109,9 @@ def _fp8_kernel(desc_ptr, base_ptr, BLOCK: tl.constexpr):
         e = (q >> 3) & 0xF
         mant = q & 7
         normal = ((e + 120) << 23) | (mant << 20)  # e4m3 bias 7 -> fp32 bias 127
-        value = tl.where(e > 0, normal.to(tl.float32, bitcast=True),
-                         mant.to(tl.float32) * 0.001953125)  # fmt: skip  # m * 2^-9
+        value = tl.where(
+            e > 0, normal.to(tl.float32, bitcast=True), mant.to(tl.float32) * 0.001953125
+        )  # m * 2^-9
         # the sign as a bit (negating would turn a -0 into +0 on the device)
         signed = value.to(tl.uint32, bitcast=True) | (sign.to(tl.uint32) << 31)
         _store_scaled(dst, src, s_off, cols, w, m, signed.to(tl.float32, bitcast=True))

@@ -289,8 +289,9 @@ def fused_expert_pairs(
     bf16_bits = interpret and x.dtype == torch.bfloat16
     max_groups = min(w13.shape[0] + 1, p)
     bn1, bk1, bn2, bk2 = _tiles(h, inter, x.element_size() >= 4)
-    flags = dict(BLOCK_M=BLOCK_M, IEEE=ieee, BF16_BITS=bf16_bits, num_warps=NUM_WARPS,
-                 num_stages=NUM_STAGES)  # fmt: skip
+    flags = dict(
+        BLOCK_M=BLOCK_M, IEEE=ieee, BF16_BITS=bf16_bits, num_warps=NUM_WARPS, num_stages=NUM_STAGES
+    )
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         flat = slots.reshape(-1)  # [P]
         if p <= RANK_MAX_PAIRS:
@@ -300,9 +301,11 @@ def fused_expert_pairs(
             grouped, order = torch.sort(flat, stable=True)
         _plan_kernel[(1,)](grouped, plan, p, BLOCK=min(triton.next_power_of_2(p), 1024))
         grid = (_programs(x.device, max_groups * (inter // bn1), PROGRAMS_PER_SM[0]),)
-        _gate_up_kernel[grid](x, order, plan, w13, act, p, k, H=h, INTER=inter,
-                              BLOCK_N=bn1, BLOCK_K=bk1, **flags)  # fmt: skip
+        _gate_up_kernel[grid](
+            x, order, plan, w13, act, p, k, H=h, INTER=inter, BLOCK_N=bn1, BLOCK_K=bk1, **flags
+        )
         grid = (_programs(x.device, max_groups * (h // bn2), PROGRAMS_PER_SM[1]),)
-        _down_kernel[grid](act, order, plan, wts, w2, out, p, H=h, INTER=inter,
-                           BLOCK_N=bn2, BLOCK_K=bk2, **flags)  # fmt: skip
+        _down_kernel[grid](
+            act, order, plan, wts, w2, out, p, H=h, INTER=inter, BLOCK_N=bn2, BLOCK_K=bk2, **flags
+        )
     return out.view(t, k, h)

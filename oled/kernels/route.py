@@ -87,9 +87,15 @@ def _route_kernel(
 
 
 def select_experts(
-    logits: Tensor, bias: Tensor, *, top_k: int, n_group: int, topk_group: int, scale: float,
+    logits: Tensor,
+    bias: Tensor,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scale: float,
     normalise: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     """Router logits [T, E] fp32 -> (ids [T, K] int64, weights [T, K] fp32), as `route` after
     its GEMM. ids come in descending biased-score order with ties broken by the lower expert id
     (torch.topk leaves the order of ties unspecified); kept groups are chosen the same way.

@@ -210,8 +210,9 @@ class _Layout:
         header = torch.zeros(g, 16, dtype=torch.int32, device=dev)
         header[:, :7] = torch.tensor(
             [LOSSLESS, n, self.primary, self.chunks, self.secondary, self.escapes, CHUNK],
-            dtype=torch.int32, device=dev,
-        )  # fmt: skip
+            dtype=torch.int32,
+            device=dev,
+        )
         rows[:, :HEADER] = header.view(torch.uint8)
         rows[:, PRIMARY_BOOK : PRIMARY_BOOK + 3] = primary_book.to(torch.uint8)
         rows[:, SECONDARY_BOOK : SECONDARY_BOOK + 7] = secondary_book.to(torch.uint8)

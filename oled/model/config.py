@@ -88,8 +88,10 @@ class ModelConfig:
         were honoured: each one as a sentence (empty when none)."""
         out = []
         if not self.norm_topk_prob and self.num_experts_per_tok > 1:
-            out.append("norm_topk_prob = false: LLaDA2's reference code ignores it and always "
-                       "normalises the top-k gate weights; so does OLED-MoE")  # fmt: skip
+            out.append(
+                "norm_topk_prob = false: LLaDA2's reference code ignores it and always "
+                "normalises the top-k gate weights; so does OLED-MoE"
+            )
         shared = self.moe_shared_expert_intermediate_size
         if shared and shared != self.shared_intermediate_size:
             out.append(

@@ -138,9 +138,14 @@ class EagerForward:
         return self.model(tokens, cache=cache, block_length=block_length, rows=rows)
 
     def __call__(
-        self, tokens: Tensor, *, start: int, cache: KVCache | None, block_length: int,
+        self,
+        tokens: Tensor,
+        *,
+        start: int,
+        cache: KVCache | None,
+        block_length: int,
         logits_from: int,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         return self.model(
             tokens, start=start, cache=cache, block_length=block_length, logits_from=logits_from
         )
@@ -196,9 +201,14 @@ class GraphedForward(EagerForward):
         return self.batch_cache
 
     def __call__(
-        self, tokens: Tensor, *, start: int, cache: KVCache | None, block_length: int,
+        self,
+        tokens: Tensor,
+        *,
+        start: int,
+        cache: KVCache | None,
+        block_length: int,
         logits_from: int,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         eager = (
             cache is None
             or cache is not self.cache
@@ -208,9 +218,12 @@ class GraphedForward(EagerForward):
 
         def steps(static: Tensor, _rows):
             return self.model.steps(
-                static, start=start, cache=self.cache, block_length=block_length,
+                static,
+                start=start,
+                cache=self.cache,
+                block_length=block_length,
                 logits_from=logits_from,
-            )  # fmt: skip
+            )
 
         logits = None if eager else self._try_graphed(key, tokens, None, steps)
         self.warm = self.warm or cache is not None

@@ -130,10 +130,16 @@ class Attention(nn.Module):
             kb, vb = kbuf[slot : slot + 1], vbuf[slot : slot + 1]  # [1, kv, S_max, D]
             kb[:, :, start : start + n] = k[:, :, row : row + n]
             vb[:, :, start : start + n] = v[:, :, row : row + n]
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, row : row + n], kb[:, :, : start + n], vb[:, :, : start + n],
-                attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True,
-            ))  # fmt: skip
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, row : row + n],
+                    kb[:, :, : start + n],
+                    vb[:, :, : start + n],
+                    attn_mask=mask,
+                    scale=self.head_dim**-0.5,
+                    enable_gqa=True,
+                )
+            )
             row += n
         out = torch.cat(outs, dim=2)  # [1, h, T, D]
         return out.transpose(1, 2).reshape(1, row, self.heads * self.head_dim)
@@ -165,11 +171,19 @@ class Attention(nn.Module):
         else:
             k_out, v_out = kv[0][:, :, past : past + t], kv[1][:, :, past : past + t]
         q = qk_norm_rotary(
-            qkv, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
-            q_weight=self.query_layernorm.weight, k_weight=self.key_layernorm.weight,
-            eps=self.query_layernorm.eps, cos=cos, sin=sin, rotary_dim=rotary.dim,
-            k_out=k_out, v_out=v_out,
-        )  # fmt: skip
+            qkv,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            q_weight=self.query_layernorm.weight,
+            k_weight=self.key_layernorm.weight,
+            eps=self.query_layernorm.eps,
+            cos=cos,
+            sin=sin,
+            rotary_dim=rotary.dim,
+            k_out=k_out,
+            v_out=v_out,
+        )
         if kv is None:
             return q, k_out, v_out
         return q, kv[0][:, :, : past + t], kv[1][:, :, : past + t]
@@ -231,9 +245,14 @@ def route(
         from oled.kernels.route import select_experts
 
         return select_experts(
-            logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group, scale=scale,
+            logits,
+            bias,
+            top_k=top_k,
+            n_group=n_group,
+            topk_group=topk_group,
+            scale=scale,
             normalise=normalise,
-        )  # fmt: skip
+        )
     t, e = logits.shape
     scores = torch.sigmoid(logits)  # [T, E]
     biased = scores + bias.float()  # [T, E]: selection only

@@ -129,9 +129,16 @@ class BatchRows:
 
     @classmethod
     def build(
-        cls, slots: list[int], starts: list[int], lengths: list[int], logits_from: list[int],
-        *, keys: int, device, exact: bool = False,
-    ) -> BatchRows:  # fmt: skip
+        cls,
+        slots: list[int],
+        starts: list[int],
+        lengths: list[int],
+        logits_from: list[int],
+        *,
+        keys: int,
+        device,
+        exact: bool = False,
+    ) -> BatchRows:
         """Rows of sequences in `slots` order; each returns the logits of its rows from
         `logits_from[b]` on; `keys` >= every start + length; `exact`: attention per sequence
         over its own keys (no graphs)."""
@@ -158,11 +165,17 @@ class BatchRows:
         flat_dev = host.to(device).split([len(part) for part in parts])  # one copy for all
         nb = len(slots)
         return cls(
-            positions=flat_dev[0], row_slots=flat_dev[1], unpad=flat_dev[2],
-            logit_rows=flat_dev[3], queries=flat_dev[4].view(nb, t_max),
-            query_pos=flat_dev[5].view(nb, t_max), key_len=flat_dev[6], slots=flat_dev[7],
-            keys=keys, spans=tuple(zip(slots, starts, lengths, strict=True)) if exact else None,
-        )  # fmt: skip
+            positions=flat_dev[0],
+            row_slots=flat_dev[1],
+            unpad=flat_dev[2],
+            logit_rows=flat_dev[3],
+            queries=flat_dev[4].view(nb, t_max),
+            query_pos=flat_dev[5].view(nb, t_max),
+            key_len=flat_dev[6],
+            slots=flat_dev[7],
+            keys=keys,
+            spans=tuple(zip(slots, starts, lengths, strict=True)) if exact else None,
+        )
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:

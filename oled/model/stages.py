@@ -12,10 +12,20 @@ from contextlib import nullcontext
 import torch
 
 STAGES = (
-    "embedding", "attention", "routing", "routing to host", "host decision", "copies",
-    "grouped GEMM", "CPU experts", "combine", "shared expert", "dense MLP", "lm head",
+    "embedding",
+    "attention",
+    "routing",
+    "routing to host",
+    "host decision",
+    "copies",
+    "grouped GEMM",
+    "CPU experts",
+    "combine",
+    "shared expert",
+    "dense MLP",
+    "lm head",
     "decode step",
-)  # fmt: skip
+)
 _on = False
 
 

@@ -54,8 +54,14 @@ class Calibration:
 
     def describe(self) -> dict[str, Any]:
         """For reports: where the decisions' costs come from, and the costs."""
-        return {"source": "calibrated", "file": str(self.file), "measured": self.measured,
-                "key": machine_key(self.parts), **self.parts, **asdict(self.cost)}  # fmt: skip
+        return {
+            "source": "calibrated",
+            "file": str(self.file),
+            "measured": self.measured,
+            "key": machine_key(self.parts),
+            **self.parts,
+            **asdict(self.cost),
+        }
 
     def to_json(self) -> str:
         data = {"key": self.parts, "measured": self.measured, "cost": asdict(self.cost)}

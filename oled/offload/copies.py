@@ -151,9 +151,11 @@ class _MemcpyAttributes(ctypes.Structure):
     """cudaMemcpyAttributes (CUDA 12.8+)."""
 
     _fields_ = [
-        ("src_access_order", ctypes.c_int), ("src_loc_hint", _MemLocation),
-        ("dst_loc_hint", _MemLocation), ("flags", ctypes.c_uint),
-    ]  # fmt: skip
+        ("src_access_order", ctypes.c_int),
+        ("src_loc_hint", _MemLocation),
+        ("dst_loc_hint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 _SRC_ACCESS_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources read in stream order

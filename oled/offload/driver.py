@@ -39,40 +39,109 @@ _p = ctypes.c_void_p
 _i = ctypes.c_int64
 
 # drive.c's counts columns: engine metrics per layer, summed there between collects
-COUNTS = ("hits", "misses", "copies", "staged", "cpu_experts", "cpu_tokens", "gpu_experts",
-          "plan_ms", "launch_ms", "pass_ms", "calls", "copy_ms", "stall_ms")  # fmt: skip
+COUNTS = (
+    "hits",
+    "misses",
+    "copies",
+    "staged",
+    "cpu_experts",
+    "cpu_tokens",
+    "gpu_experts",
+    "plan_ms",
+    "launch_ms",
+    "pass_ms",
+    "calls",
+    "copy_ms",
+    "stall_ms",
+)
 EVENTS = 4096  # timing events in the pool: an iteration uses 4-10 a layer
-RUNTIME = ("cudaMemcpyAsync", "cudaEventRecord", "cudaStreamWaitEvent", "cudaGraphLaunch",
-           "cudaEventCreate", "cudaEventElapsedTime", "cudaEventSynchronize",
-           "cudaEventDestroy")  # fmt: skip
+RUNTIME = (
+    "cudaMemcpyAsync",
+    "cudaEventRecord",
+    "cudaStreamWaitEvent",
+    "cudaGraphLaunch",
+    "cudaEventCreate",
+    "cudaEventElapsedTime",
+    "cudaEventSynchronize",
+    "cudaEventDestroy",
+)
 
 
 class Drive(ctypes.Structure):
     """Mirrors `Drive` in drive.c."""
 
     _fields_ = [
-        ("memcpy_async", _p), ("memcpy_batch", _p), ("record", _p), ("wait", _p),
-        ("launch", _p), ("create", _p), ("elapsed", _p),
-        ("batch_abi", _i), ("batch_min", _i), ("batch_attrs", _p), ("compute", _p), ("copy", _p),
-        ("src13", _p), ("src2", _p), ("cache13", _p), ("cache2", _p),
-        ("stage13", _i), ("stage2", _i), ("size13", _i), ("size2", _i), ("stage_capacity", _i),
-        ("bind", _p), ("out", _p),
-        ("maps_host", _i), ("maps_dev", _i), ("map_rows", _i), ("num_experts", _i),
-        ("events", _p), ("n_events", _i), ("used", _i), ("log", _p), ("log_cap", _i),
-        ("logged", _i), ("stage_free", _p), ("cpu_ready", _p), ("counts", _p),
-        ("srcs", _p), ("dsts", _p), ("sizes", _p), ("failed", ctypes.c_size_t),
-        ("attr_index", ctypes.c_size_t), ("error", _i),
-        ("decoder", _p), ("decode_execs", _p), ("land_events", _p), ("land13", _i),
-        ("land2", _i), ("land_rows", _i), ("plain13", _i), ("plain2", _i), ("desc_host", _p),
-        ("desc_dev", _i), ("desc_stride", _i), ("desc_cap", _i), ("desc_used", _p),
-    ]  # fmt: skip
+        ("memcpy_async", _p),
+        ("memcpy_batch", _p),
+        ("record", _p),
+        ("wait", _p),
+        ("launch", _p),
+        ("create", _p),
+        ("elapsed", _p),
+        ("batch_abi", _i),
+        ("batch_min", _i),
+        ("batch_attrs", _p),
+        ("compute", _p),
+        ("copy", _p),
+        ("src13", _p),
+        ("src2", _p),
+        ("cache13", _p),
+        ("cache2", _p),
+        ("stage13", _i),
+        ("stage2", _i),
+        ("size13", _i),
+        ("size2", _i),
+        ("stage_capacity", _i),
+        ("bind", _p),
+        ("out", _p),
+        ("maps_host", _i),
+        ("maps_dev", _i),
+        ("map_rows", _i),
+        ("num_experts", _i),
+        ("events", _p),
+        ("n_events", _i),
+        ("used", _i),
+        ("log", _p),
+        ("log_cap", _i),
+        ("logged", _i),
+        ("stage_free", _p),
+        ("cpu_ready", _p),
+        ("counts", _p),
+        ("srcs", _p),
+        ("dsts", _p),
+        ("sizes", _p),
+        ("failed", ctypes.c_size_t),
+        ("attr_index", ctypes.c_size_t),
+        ("error", _i),
+        ("decoder", _p),
+        ("decode_execs", _p),
+        ("land_events", _p),
+        ("land13", _i),
+        ("land2", _i),
+        ("land_rows", _i),
+        ("plain13", _i),
+        ("plain2", _i),
+        ("desc_host", _p),
+        ("desc_dev", _i),
+        ("desc_stride", _i),
+        ("desc_cap", _i),
+        ("desc_used", _p),
+    ]
 
 
 class Call(ctypes.Structure):
     """Mirrors `Call` in drive.c: one (layer, tokens) key's pass graphs and activations."""
 
-    _fields_ = [("execs", _p), ("n_execs", _i), ("ids_host", _i), ("w_host", _i), ("pairs", _i),
-                ("x_dev", _i), ("x_host", _i), ("x_bytes", _i)]  # fmt: skip
+    _fields_ = [
+        ("execs", _p),
+        ("n_execs", _i),
+        ("ids_host", _i),
+        ("w_host", _i),
+        ("pairs", _i),
+        ("x_dev", _i),
+        ("x_host", _i),
+        ("x_bytes", _i),
+    ]
 
 
 def library() -> ctypes.CDLL:
@@ -165,19 +234,29 @@ class LayerDriver:
             create=runtime_entry("cudaEventCreate"),
             elapsed=runtime_entry("cudaEventElapsedTime"),
             copy=e.copy_stream.cuda_stream,
-            stage13=e.stage_rows.base[0], stage2=e.stage_rows.base[1],
-            size13=e.src_rows[0].size[0], size2=e.src_rows[0].size[1],
+            stage13=e.stage_rows.base[0],
+            stage2=e.stage_rows.base[1],
+            size13=e.src_rows[0].size[0],
+            size2=e.src_rows[0].size[1],
             stage_capacity=e.planner.stage_capacity,
-            bind=ctypes.addressof(plan.bind), out=plan.out.ctypes.data,
-            maps_host=e.maps_host.data_ptr(), maps_dev=e.maps_dev.data_ptr(),
-            map_rows=e.maps_host.shape[1], num_experts=e.num_experts,
-            events=ctypes.addressof(self.events), n_events=EVENTS,
-            log=self.log.ctypes.data, log_cap=len(self.log), counts=self.counts.ctypes.data,
-            srcs=ctypes.addressof(self.batch_args[0]), dsts=ctypes.addressof(self.batch_args[1]),
+            bind=ctypes.addressof(plan.bind),
+            out=plan.out.ctypes.data,
+            maps_host=e.maps_host.data_ptr(),
+            maps_dev=e.maps_dev.data_ptr(),
+            map_rows=e.maps_host.shape[1],
+            num_experts=e.num_experts,
+            events=ctypes.addressof(self.events),
+            n_events=EVENTS,
+            log=self.log.ctypes.data,
+            log_cap=len(self.log),
+            counts=self.counts.ctypes.data,
+            srcs=ctypes.addressof(self.batch_args[0]),
+            dsts=ctypes.addressof(self.batch_args[1]),
             sizes=ctypes.addressof(self.batch_sizes),
-            plain13=e.cache_rows[0].size[0], plain2=e.cache_rows[0].size[1],
+            plain13=e.cache_rows[0].size[0],
+            plain2=e.cache_rows[0].size[1],
             **(e.encoded.drive_fields() if e.encoded is not None else {}),
-        )  # fmt: skip
+        )
 
     def use_batches(self, on: bool) -> None:
         """Launch a copy of two or more experts in one cudaMemcpyBatchAsync call where the
@@ -209,8 +288,9 @@ class LayerDriver:
         if stream.cuda_stream != self._stream:
             self.drive.compute = self._stream = stream.cuda_stream
         p = self.plan.planner
-        rc = self._layer(self.ref, call[2], layer, p.step, p.block, self.plan.slowdown(),
-                         p.gpu_only)  # fmt: skip
+        rc = self._layer(
+            self.ref, call[2], layer, p.step, p.block, self.plan.slowdown(), p.gpu_only
+        )
         if rc == -3:  # the routing does not fit: planned alone (reserved with the call, so rare)
             self.plan.run(layer, ids, weights, None)
             return 0
@@ -228,9 +308,16 @@ class LayerDriver:
         ids, weights = e.pinned_routing(tokens)  # [T, K] each
         self.plan.reserve(ids.numel())
         execs = np.zeros(e.planner.slot_map_rows, np.int64)
-        call = Call(execs=execs.ctypes.data, n_execs=len(execs), ids_host=ids.data_ptr(),
-                    w_host=weights.data_ptr(), pairs=ids.numel(), x_dev=x.data_ptr(),
-                    x_host=x_host.data_ptr(), x_bytes=x.nbytes)  # fmt: skip
+        call = Call(
+            execs=execs.ctypes.data,
+            n_execs=len(execs),
+            ids_host=ids.data_ptr(),
+            w_host=weights.data_ptr(),
+            pairs=ids.numel(),
+            x_dev=x.data_ptr(),
+            x_host=x_host.data_ptr(),
+            x_bytes=x.nbytes,
+        )
         entry = self.calls[(layer, tokens)] = (call, execs, ctypes.byref(call))
         return entry
 

@@ -121,13 +121,18 @@ class EncodedCopies:
             )
         execs, events = self._drive
         return {
-            "decoder": self.stream.cuda_stream, "decode_execs": execs.ctypes.data,
+            "decoder": self.stream.cuda_stream,
+            "decode_execs": execs.ctypes.data,
             "land_events": events.ctypes.data,
-            "land13": self.land13.data_ptr(), "land2": self.land2.data_ptr(),
-            "land_rows": LANDING, "desc_host": self.ring.data_ptr(),
-            "desc_dev": self.desc.data_ptr(), "desc_stride": self.stride, "desc_cap": RING,
+            "land13": self.land13.data_ptr(),
+            "land2": self.land2.data_ptr(),
+            "land_rows": LANDING,
+            "desc_host": self.ring.data_ptr(),
+            "desc_dev": self.desc.data_ptr(),
+            "desc_stride": self.stride,
+            "desc_cap": RING,
             "desc_used": self.used.ctypes.data,
-        }  # fmt: skip
+        }
 
     def launch(
         self, layer: int, experts, slots, dst: Rows, stream: torch.cuda.Stream | None
@@ -216,10 +221,12 @@ def _encode_store(
             for t in (0, 1):
                 counts[layer][t] = codec.exponent_counts(tables[t][layer], work, GROUP)
     sizes = [  # bytes per encoded row, w13 and w2: one size across layers
-        max(codec.encoded_size(tables[t][0].shape[1:], codec_name, counts[layer][t], GROUP)
-            for layer in layers)
+        max(
+            codec.encoded_size(tables[t][0].shape[1:], codec_name, counts[layer][t], GROUP)
+            for layer in layers
+        )
         for t in (0, 1)
-    ]  # fmt: skip
+    ]
     check_host_memory(store.num_layers * store.num_experts * sum(sizes), codec_name)
     out: tuple[list[Tensor], list[Tensor]] = ([], [])
     for layer in track(layers, f"encoding {what}", show=progress):

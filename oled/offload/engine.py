@@ -81,9 +81,10 @@ class OffloadEngine(DecodeObserver):
         # views and addresses per expert / slot, made once (the hot path copies by row): each
         # layer's expert sources on the host and its cache tables, and the stage's tables
         self.src_rows = (
-            self.encoded.rows if self.encoded
+            self.encoded.rows
+            if self.encoded
             else [Rows.of(a, b) for a, b in zip(store.w13, store.w2, strict=True)]
-        )  # fmt: skip
+        )
         self.cache_rows = [Rows.of(a, b) for a, b in zip(self.w13, self.w2, strict=True)]
         self.stage_rows = Rows.of(self.stage_w13, self.stage_w2)
         layers = store.num_layers
@@ -228,9 +229,14 @@ class OffloadEngine(DecodeObserver):
         return self.planner.native.unpack(layer)  # a pass not captured yet
 
     def _driven(
-        self, layer: int, r: MoERequest, ids_np: np.ndarray, w_np: np.ndarray, into: Tensor,
+        self,
+        layer: int,
+        r: MoERequest,
+        ids_np: np.ndarray,
+        w_np: np.ndarray,
+        into: Tensor,
         stamps: tuple[float, float],
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         """After a call launched from C: the host's part (CPU experts) and the host timings;
         the pairs in `into`."""
         t0, t1 = stamps
@@ -308,8 +314,15 @@ class OffloadEngine(DecodeObserver):
         self.graphs.run((*key, "predict"), lambda: out.copy_(self.predict(r.layer, r.x)))
         return out
 
-    def _pass(self, r: MoERequest, row: int, maps: Tensor, tables: tuple[Tensor, Tensor],
-              into: Tensor | None, static: bool) -> Tensor:  # fmt: skip
+    def _pass(
+        self,
+        r: MoERequest,
+        row: int,
+        maps: Tensor,
+        tables: tuple[Tensor, Tensor],
+        into: Tensor | None,
+        static: bool,
+    ) -> Tensor:
         """The pairs of the experts that maps[row] places in `tables` (w13, w2): a new tensor
         when `into` is None, else written (row HIT) or added (later rows) into `into`; a CUDA
         graph replay when `static` (r and `into` are the layer's static buffers)."""
@@ -490,8 +503,22 @@ class _PythonLaunch:
     """The engine's side of one layer call launched from Python (launches.Launcher): the
     engine's streams, timing events and tables; the request and its pairs [T, K, H] fp32."""
 
-    __slots__ = ("engine", "r", "pairs", "static", "next_np", "compute", "copy", "finish",
-                 "stage_capacity", "ahead", "stage_free", "maps", "x_host", "launched")  # fmt: skip
+    __slots__ = (
+        "engine",
+        "r",
+        "pairs",
+        "static",
+        "next_np",
+        "compute",
+        "copy",
+        "finish",
+        "stage_capacity",
+        "ahead",
+        "stage_free",
+        "maps",
+        "x_host",
+        "launched",
+    )
 
     def __init__(
         self, engine: OffloadEngine, r: MoERequest, into: Tensor | None, next_np: np.ndarray | None
@@ -592,10 +619,13 @@ def batch_context(info: BatchIterationInfo) -> StepContext:
         [np.arange(row.forward_tokens) < row.forward_tokens - len(row.masked) for row in info.rows]
     )
     return StepContext(
-        block=info.block, iteration=0, step=info.step,
+        block=info.block,
+        iteration=0,
+        step=info.step,
         token_state=np.concatenate([c.token_state for c in parts]),
-        confidence=np.concatenate([c.confidence for c in parts]), prefix=prefix,
-    )  # fmt: skip
+        confidence=np.concatenate([c.confidence for c in parts]),
+        prefix=prefix,
+    )
 
 
 def step_context(info: IterationInfo) -> StepContext:

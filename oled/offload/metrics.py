@@ -5,10 +5,26 @@ from __future__ import annotations
 import numpy as np
 
 FIELDS = (
-    "hits", "misses", "copies", "copy_bytes", "staged", "cpu_experts", "cpu_tokens",
-    "gpu_experts", "stall_ms", "copy_ms", "cpu_ms", "sync_ms", "plan_ms", "launch_ms", "pass_ms",
-    "host_ms", "calls", "predicted", "predicted_hits",
-)  # fmt: skip
+    "hits",
+    "misses",
+    "copies",
+    "copy_bytes",
+    "staged",
+    "cpu_experts",
+    "cpu_tokens",
+    "gpu_experts",
+    "stall_ms",
+    "copy_ms",
+    "cpu_ms",
+    "sync_ms",
+    "plan_ms",
+    "launch_ms",
+    "pass_ms",
+    "host_ms",
+    "calls",
+    "predicted",
+    "predicted_hits",
+)
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 

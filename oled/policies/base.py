@@ -115,9 +115,10 @@ class CostModel:
         oled.offload.encoded): the per-expert copy time and bytes scaled by it; the fixed cost
         stays, and the device's decode is not counted."""
         return replace(
-            self, copy_ms_per_expert=self.copy_ms_per_expert * share,
+            self,
+            copy_ms_per_expert=self.copy_ms_per_expert * share,
             expert_bytes=round(self.expert_bytes * share),
-        )  # fmt: skip
+        )
 
     def to_json(self) -> str:
         """Serialise to a JSON object string."""

@@ -46,20 +46,44 @@ _HERE = Path(__file__).parent
 # drive.c: the offload engine's layer launches, built into the same library (including plan.h)
 SOURCES = (_HERE / "plan.c", _HERE.parent / "offload" / "drive.c")
 HEADERS = (_HERE / "plan.h",)  # in the build's tag; found through -I
-FLAGS = ("-O2", "-std=c11", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
-         "-fno-fast-math")  # fmt: skip  # no FMA contraction: the same rounding as numpy
-REGIONS = ("hits", "misses", "gpu_experts", "copy_experts", "copy_slots", "stage_experts",
-           "stage_slots", "cpu_experts", "cpu_tokens", "evicted", "counts")  # fmt: skip
+FLAGS = (
+    "-O2",
+    "-std=c11",
+    "-shared",
+    "-fPIC",
+    "-fno-strict-aliasing",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+)  # no FMA contraction: the same rounding as numpy
+REGIONS = (
+    "hits",
+    "misses",
+    "gpu_experts",
+    "copy_experts",
+    "copy_slots",
+    "stage_experts",
+    "stage_slots",
+    "cpu_experts",
+    "cpu_tokens",
+    "evicted",
+    "counts",
+)
 # plan.c's header after the regions' starts: where the slot map copy starts and the output
 # ends, the cache's free slots after the plan, the slot-map rows written
 HEADER_FIELDS = ("slot_map", "end", "free", "map_rows")
 SLOT_MAP, END, FREE, MAP_ROWS = range(len(REGIONS), len(REGIONS) + len(HEADER_FIELDS))
 
-RETENTION = {R.LRURetention: 1, R.LFURetention: 2, R.ScoreEMARetention: 3,
-             R.ConfidenceRetention: 4}  # fmt: skip
-COMPENSATION = {C.TransferOnly: 1, C.Resident: 1, C.CpuOnly: 2, C.BatchThreshold: 3,
-                C.MakespanCompensation: 4, C.CooperativeCompensation: 5,
-                C.IntervalRefresh: 6, C.StaticHot: 7}  # fmt: skip
+RETENTION = {R.LRURetention: 1, R.LFURetention: 2, R.ScoreEMARetention: 3, R.ConfidenceRetention: 4}
+COMPENSATION = {
+    C.TransferOnly: 1,
+    C.Resident: 1,
+    C.CpuOnly: 2,
+    C.BatchThreshold: 3,
+    C.MakespanCompensation: 4,
+    C.CooperativeCompensation: 5,
+    C.IntervalRefresh: 6,
+    C.StaticHot: 7,
+}
 _PREDICTED_HITS = COUNTERS.index("predicted_hits")
 
 
@@ -83,18 +107,44 @@ class Bind(ctypes.Structure):
     """Mirrors `Bind` in plan.c: the planner's arrays and its policies' parameters."""
 
     _fields_ = [
-        ("num_layers", _i), ("num_experts", _i), ("stage_capacity", _i), ("stats_alpha", _d),
-        ("slot_of", _p), ("expert_in", _p), ("capacity", _p),
-        ("ws", _p), ("reuse", _p), ("samples", _p), ("prev_used", _p), ("stats", _p),
-        ("ret_kind", _i), ("ret_flag", _i), ("priority", _p), ("masked", _p), ("stable", _p),
-        ("current", _p), ("ret_a", _d), ("ret_b", _d),
-        ("comp_kind", _i), ("comp_int", _i), ("comp_a", _d),
-        ("learned", _p), ("loaded", _p), ("seen", _p),
-        ("copy_per", _d), ("copy_fixed", _d), ("cpu_fixed", _d), ("cpu_tok", _d),
-        ("scratch", _p), ("ids", _p), ("weights", _p), ("routing_cap", _i), ("out", _p),
+        ("num_layers", _i),
+        ("num_experts", _i),
+        ("stage_capacity", _i),
+        ("stats_alpha", _d),
+        ("slot_of", _p),
+        ("expert_in", _p),
+        ("capacity", _p),
+        ("ws", _p),
+        ("reuse", _p),
+        ("samples", _p),
+        ("prev_used", _p),
+        ("stats", _p),
+        ("ret_kind", _i),
+        ("ret_flag", _i),
+        ("priority", _p),
+        ("masked", _p),
+        ("stable", _p),
+        ("current", _p),
+        ("ret_a", _d),
+        ("ret_b", _d),
+        ("comp_kind", _i),
+        ("comp_int", _i),
+        ("comp_a", _d),
+        ("learned", _p),
+        ("loaded", _p),
+        ("seen", _p),
+        ("copy_per", _d),
+        ("copy_fixed", _d),
+        ("cpu_fixed", _d),
+        ("cpu_tok", _d),
+        ("scratch", _p),
+        ("ids", _p),
+        ("weights", _p),
+        ("routing_cap", _i),
+        ("out", _p),
         ("maps", _p),
         ("map_rows", _i),
-    ]  # fmt: skip
+    ]
 
 
 # -- the contract ---------------------------------------------------------------------------
@@ -109,8 +159,12 @@ class _Row(ctypes.Structure):
 class _Table(ctypes.Structure):
     """Mirrors `Contract` in plan.h."""
 
-    _fields_ = [("name", ctypes.c_char_p), ("size", _i), ("n_rows", _i),
-                ("rows", ctypes.POINTER(_Row))]  # fmt: skip
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("size", _i),
+        ("n_rows", _i),
+        ("rows", ctypes.POINTER(_Row)),
+    ]
 
 
 @dataclass(frozen=True)
@@ -127,8 +181,9 @@ def contract(lib: ctypes.CDLL, part: str) -> dict[str, Reported]:
     lib.oled_contract_sizes(_addr(sizes))
     mine = (ctypes.sizeof(_Row), ctypes.sizeof(_Table))
     if tuple(sizes.tolist()) != mine:
-        raise ContractError(f"plan.h's contract rows are {sizes.tolist()} bytes, the mirrors "
-                            f"{list(mine)}")  # fmt: skip
+        raise ContractError(
+            f"plan.h's contract rows are {sizes.tolist()} bytes, the mirrors {list(mine)}"
+        )
     fn = getattr(lib, f"oled_{part}_contract")
     fn.restype, fn.argtypes = _i, [ctypes.POINTER(ctypes.POINTER(_Table))]
     tables = ctypes.POINTER(_Table)()
@@ -152,8 +207,10 @@ def check(
     reported = contract(lib, part)
     unchecked = set(reported) ^ (set(structs) | set(tables))
     if unchecked:
-        raise ContractError(f"{part}.c and its Python mirrors name different structs and "
-                            f"tables: {sorted(unchecked)}")  # fmt: skip
+        raise ContractError(
+            f"{part}.c and its Python mirrors name different structs and "
+            f"tables: {sorted(unchecked)}"
+        )
     for name, struct in structs.items():
         check_struct(name, struct, reported[name], source=f"{part}.c")
     for name, table in tables.items():
@@ -169,11 +226,15 @@ def check_struct(
     mine = [(f, getattr(struct, f).offset, getattr(struct, f).size) for f in fields]
     for i, (theirs, ours) in enumerate(zip_longest(reported.rows, mine)):
         if theirs != ours:
-            raise ContractError(f"{source} and its ctypes mirror disagree on {name} field {i}: "
-                                f"C has {_field(theirs)}, the mirror {_field(ours)}")  # fmt: skip
+            raise ContractError(
+                f"{source} and its ctypes mirror disagree on {name} field {i}: "
+                f"C has {_field(theirs)}, the mirror {_field(ours)}"
+            )
     if ctypes.sizeof(struct) != reported.size:
-        raise ContractError(f"{source} and its ctypes mirror disagree on sizeof({name}): "
-                            f"{reported.size} in C, {ctypes.sizeof(struct)} in the mirror")  # fmt: skip
+        raise ContractError(
+            f"{source} and its ctypes mirror disagree on sizeof({name}): "
+            f"{reported.size} in C, {ctypes.sizeof(struct)} in the mirror"
+        )
 
 
 def check_table(name: str, table: dict[str, int], reported: Reported, *, source: str) -> None:
@@ -181,9 +242,11 @@ def check_table(name: str, table: dict[str, int], reported: Reported, *, source:
     theirs = {key: value for key, value, _ in reported.rows}
     for key in dict.fromkeys([*theirs, *table]):
         if theirs.get(key) != table.get(key):
-            raise ContractError(f"{source} and its Python mirror disagree on the {name}: "
-                                f"{key!r} is {_value(theirs.get(key))} in C, "
-                                f"{_value(table.get(key))} in Python")  # fmt: skip
+            raise ContractError(
+                f"{source} and its Python mirror disagree on the {name}: "
+                f"{key!r} is {_value(theirs.get(key))} in C, "
+                f"{_value(table.get(key))} in Python"
+            )
 
 
 def _field(row: tuple[str, int, int] | None) -> str:
@@ -326,9 +389,14 @@ class CompiledPlan:
         self.stats = p.stats.compiled  # [L, counters]
         self.scratch = np.zeros(scratch, np.int64)
         self.out = np.zeros(out, np.int64)
-        b = self.bind = Bind(num_layers=L, num_experts=E, stage_capacity=p.stage_capacity,
-                             stats_alpha=p.stats_alpha, scratch=_addr(self.scratch),
-                             out=_addr(self.out))  # fmt: skip
+        b = self.bind = Bind(
+            num_layers=L,
+            num_experts=E,
+            stage_capacity=p.stage_capacity,
+            stats_alpha=p.stats_alpha,
+            scratch=_addr(self.scratch),
+            out=_addr(self.out),
+        )
         self._routing(64 * p.top_k)
         self._tables = [np.zeros(L, np.int64) for _ in range(3)]  # slot_of, expert_in, capacity
         b.slot_of, b.expert_in, b.capacity = (_addr(t) for t in self._tables)

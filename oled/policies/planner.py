@@ -124,9 +124,19 @@ class Resize:
 
 
 COUNTERS = (  # PlannerStats' columns, in order (plan.c writes them by index)
-    "plans", "requests", "hits", "misses", "copies", "prefetches",
-    "staged", "cpu_experts", "cpu_tokens", "evictions", "predicted", "predicted_hits",
-)  # fmt: skip
+    "plans",
+    "requests",
+    "hits",
+    "misses",
+    "copies",
+    "prefetches",
+    "staged",
+    "cpu_experts",
+    "cpu_tokens",
+    "evictions",
+    "predicted",
+    "predicted_hits",
+)
 
 
 class PlannerStats:
@@ -169,9 +179,14 @@ class CopyAhead:
     nothing ahead and predicts only every `probe`-th forward, to score the prediction anew."""
 
     def __init__(
-        self, num_layers: int, limit: int, *, min_use: float = 0.5, probe: int = 8,
+        self,
+        num_layers: int,
+        limit: int,
+        *,
+        min_use: float = 0.5,
+        probe: int = 8,
         alpha: float = 0.2,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if limit < 0:
             raise ValueError(f"prefetch_limit must be >= 0, got {limit}")
         self.limit, self.min_use, self.probe, self.alpha = limit, min_use, probe, alpha
@@ -319,8 +334,9 @@ class Planner:
             raise ValueError("slot maps must be a C-contiguous [L, R, E] int64 array")
         need = (self.num_layers, self.slot_map_rows, self.num_experts)
         if maps.shape[0] != need[0] or maps.shape[1] < need[1] or maps.shape[2] != need[2]:
-            raise ValueError(f"slot maps of shape {maps.shape}: need [{need[0]}, >= {need[1]}, "
-                             f"{need[2]}]")  # fmt: skip
+            raise ValueError(
+                f"slot maps of shape {maps.shape}: need [{need[0]}, >= {need[1]}, {need[2]}]"
+            )
         self._maps = maps
         if self.native is not None:
             self.native.attach_maps(maps)

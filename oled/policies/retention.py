@@ -92,9 +92,10 @@ class ScoreEMARetention(_Scored):
     def route(self, layer: int, ids: np.ndarray, weights: np.ndarray, step: int = 0) -> None:
         """Fold this forward's gate-weight mass into the EMA."""
         mass = np.bincount(
-            ids.reshape(-1), weights=weights.reshape(-1).astype(np.float64),
+            ids.reshape(-1),
+            weights=weights.reshape(-1).astype(np.float64),
             minlength=self.num_experts,
-        )  # fmt: skip
+        )
         p = self.priority[layer]
         p *= self.alpha
         p += (1.0 - self.alpha) * mass

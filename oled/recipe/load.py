@@ -57,8 +57,14 @@ def load_recipe(
         raise RecipeError(f"{path}:{line}: invalid TOML: {msg}") from None
     keys = apply_overrides(raw, overrides)
     origins = set_origins(sorted(keys))
-    recipe = validate(raw, source=path, lines=key_lines(text), origins=origins, skip=skip_params,
-                      require_model=require_model)  # fmt: skip
+    recipe = validate(
+        raw,
+        source=path,
+        lines=key_lines(text),
+        origins=origins,
+        skip=skip_params,
+        require_model=require_model,
+    )
     recipe._path = path
     return recipe
 
@@ -72,8 +78,9 @@ def read_text(path: Path) -> str:
         raise RecipeError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
         byte = exc.object[exc.start]
-        raise RecipeError(f"{path}: not a TOML recipe: not UTF-8 text (byte 0x{byte:02x} at "
-                          f"offset {exc.start})") from None  # fmt: skip
+        raise RecipeError(
+            f"{path}: not a TOML recipe: not UTF-8 text (byte 0x{byte:02x} at offset {exc.start})"
+        ) from None
 
 
 def override(

@@ -26,8 +26,10 @@ POLL_S = 0.25
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
 MODEL_ROUTE = "/v1/models/{model}"
 DONE = "data: [DONE]\n\n"
-VALIDATION_CODES = {"extra_forbidden": "unknown_parameter",
-                    "unsupported_parameter": "unsupported_parameter"}  # fmt: skip
+VALIDATION_CODES = {
+    "extra_forbidden": "unknown_parameter",
+    "unsupported_parameter": "unsupported_parameter",
+}
 M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("oled.serve")
 
@@ -163,8 +165,15 @@ def invalid(err: ValidationError) -> RequestError:
 class Server:
     """Request handling shared by the routes."""
 
-    def __init__(self, engine: Engine, *, model_name: str, default_max_tokens: int,
-                 max_tokens: int, api_key: str | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        model_name: str,
+        default_max_tokens: int,
+        max_tokens: int,
+        api_key: str | None,
+    ) -> None:
         self.engine = engine
         self.max_tokens = max_tokens
         self.model_name = model_name
@@ -184,8 +193,12 @@ class Server:
     def model_card(self, name: str) -> p.ModelCard:
         """The served model's card; 404 for any other name."""
         if name != self.model_name:
-            raise RequestError(404, f"the model {name!r} does not exist; this server has "
-                               f"{self.model_name!r}", param="model", code="model_not_found")  # fmt: skip
+            raise RequestError(
+                404,
+                f"the model {name!r} does not exist; this server has {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return p.ModelCard(id=name, created=self.created)
 
     def make_job(self, req: p.SamplingParams, prompt_ids: list[int]) -> Job:
@@ -201,21 +214,32 @@ class Server:
         """The request's decoding: the server's with the request's fields over it."""
         wanted = req.wanted_tokens() or min(self.default_max_tokens, self.max_tokens)
         if wanted > self.max_tokens:
-            raise RequestError(400, f"max_tokens is {wanted}; this server allows at most "
-                               f"{self.max_tokens}", param="max_tokens", code="invalid_value")  # fmt: skip
+            raise RequestError(
+                400,
+                f"max_tokens is {wanted}; this server allows at most {self.max_tokens}",
+                param="max_tokens",
+                code="invalid_value",
+            )
         try:
             decode = decode_config(
-                base, max_new_tokens=wanted,
-                block_length=req.block_length, threshold=req.threshold,
-                temperature=req.temperature, seed=req.seed,
-            )  # fmt: skip
+                base,
+                max_new_tokens=wanted,
+                block_length=req.block_length,
+                threshold=req.threshold,
+                temperature=req.temperature,
+                seed=req.seed,
+            )
         except ValueError as err:
             raise RequestError(400, str(err), code="invalid_value") from None
         if req.top_p is not None and req.top_p < 1 and decode.temperature > 0:
-            raise RequestError(400, "top_p: below 1 only with temperature 0 (greedy decoding "
-                               "keeps the likeliest token, which every nucleus holds); this "
-                               "server does no nucleus sampling", param="top_p",
-                               code="unsupported_value")  # fmt: skip
+            raise RequestError(
+                400,
+                "top_p: below 1 only with temperature 0 (greedy decoding "
+                "keeps the likeliest token, which every nucleus holds); this "
+                "server does no nucleus sampling",
+                param="top_p",
+                code="unsupported_value",
+            )
         return decode
 
     async def events(self, job: Job, request: Request) -> AsyncIterator[Event]:
@@ -247,14 +271,22 @@ def check_length(prompt_ids: list[int], decode, limit: int) -> None:
     first = (len(prompt_ids) // bl) * bl
     need = first + -(-(len(prompt_ids) + decode.max_new_tokens - first) // bl) * bl
     if need > limit:
-        raise RequestError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens "
-                           f"({decode.max_new_tokens}) need {need} positions; the model allows "
-                           f"{limit}", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        raise RequestError(
+            400,
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens "
+            f"({decode.max_new_tokens}) need {need} positions; the model allows "
+            f"{limit}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
 
 
 def usage(done: Done) -> p.Usage:
-    return p.Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
-                   total_tokens=done.prompt_tokens + done.completion_tokens)  # fmt: skip
+    return p.Usage(
+        prompt_tokens=done.prompt_tokens,
+        completion_tokens=done.completion_tokens,
+        total_tokens=done.prompt_tokens + done.completion_tokens,
+    )
 
 
 def finish(done: Done) -> str:
@@ -282,8 +314,9 @@ def completion_prompt(server: Server, req: p.CompletionRequest) -> list[int]:
         return rt.tokenizer.encode(req.prompt)
     vocab = rt.config.vocab_size
     if any(not 0 <= t < vocab for t in req.prompt):
-        raise RequestError(400, f"prompt token ids must be in [0, {vocab})", param="prompt",
-                           code="invalid_value")  # fmt: skip
+        raise RequestError(
+            400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value"
+        )
     return list(req.prompt)
 
 
@@ -356,8 +389,13 @@ async def text_chunks(server, job, request, req, meta, echo: str) -> AsyncIterat
             yield line
 
 
-async def sse_lines(server: Server, job: Job, request: Request, piece: Callable[[str], str],
-                    end: Callable[[Done], list[str]]) -> AsyncIterator[str]:  # fmt: skip
+async def sse_lines(
+    server: Server,
+    job: Job,
+    request: Request,
+    piece: Callable[[str], str],
+    end: Callable[[Done], list[str]],
+) -> AsyncIterator[str]:
     """A stream's events as SSE lines: `piece(text)` per piece, then `end(done)`, else an error
     event; then `[DONE]`."""
     async with contextlib.aclosing(server.events(job, request)) as events:
@@ -387,11 +425,22 @@ def streaming(chunks: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
 
 
-def create_app(engine: Engine, *, model_name: str, default_max_tokens: int = 256,
-               max_tokens: int = 4096, api_key: str | None = None) -> FastAPI:  # fmt: skip
+def create_app(
+    engine: Engine,
+    *,
+    model_name: str,
+    default_max_tokens: int = 256,
+    max_tokens: int = 4096,
+    api_key: str | None = None,
+) -> FastAPI:
     """The ASGI app; starting it starts the engine (which loads the model in the background)."""
-    server = Server(engine, model_name=model_name, default_max_tokens=default_max_tokens,
-                    max_tokens=max_tokens, api_key=api_key)  # fmt: skip
+    server = Server(
+        engine,
+        model_name=model_name,
+        default_max_tokens=default_max_tokens,
+        max_tokens=max_tokens,
+        api_key=api_key,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -399,8 +448,9 @@ def create_app(engine: Engine, *, model_name: str, default_max_tokens: int = 256
         yield
         await asyncio.to_thread(engine.stop)
 
-    app = FastAPI(title="OLED-MoE", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)  # fmt: skip
+    app = FastAPI(
+        title="OLED-MoE", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.server = server
     add_error_handlers(app)
     add_routes(app, server)

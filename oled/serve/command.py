@@ -34,8 +34,9 @@ def served_name(spec: Recipe) -> str:
     return spec.name if spec.path is not None else spec.model.name
 
 
-def run_server(spec: Recipe, *, host: str, port: int, model_name: str, max_tokens: int,
-               api_key: str | None) -> None:  # fmt: skip
+def run_server(
+    spec: Recipe, *, host: str, port: int, model_name: str, max_tokens: int, api_key: str | None
+) -> None:
     """Listen at once; the model loads in the background (`/health` is 503 until it is ready).
     A request without max_tokens gets the spec's decoding.max_new_tokens; up to the spec's
     runtime.max_batch requests decode together."""
@@ -43,15 +44,23 @@ def run_server(spec: Recipe, *, host: str, port: int, model_name: str, max_token
     from oled.serve.app import create_app
 
     if not spec.decoding.use_cache:
-        raise ValueError("oled serve decodes requests together, which keeps each one's prefix "
-                         "cached: set decoding.use_cache to true")  # fmt: skip
+        raise ValueError(
+            "oled serve decodes requests together, which keeps each one's prefix "
+            "cached: set decoding.use_cache to true"
+        )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     engine = Engine(lambda: build(spec), max_batch=spec.runtime.max_batch)
-    app = create_app(engine, model_name=model_name, max_tokens=max_tokens, api_key=api_key,
-                     default_max_tokens=spec.decoding.max_new_tokens)  # fmt: skip
+    app = create_app(
+        engine,
+        model_name=model_name,
+        max_tokens=max_tokens,
+        api_key=api_key,
+        default_max_tokens=spec.decoding.max_new_tokens,
+    )
     logging.getLogger("oled.serve").info("serving %r at http://%s:%d/v1", model_name, host, port)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info",
-                            timeout_graceful_shutdown=GRACE_S)  # fmt: skip
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACE_S
+    )
     server = DrainingServer(config, engine)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises Ctrl+C again once it is done
         server.run()

@@ -39,12 +39,23 @@ log = logging.getLogger("oled.serve")
 class RequestError(Exception):
     """A request the server refuses: HTTP status plus OpenAI error fields."""
 
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = (
-            status, message, kind, param, code,
-        )  # fmt: skip
+            status,
+            message,
+            kind,
+            param,
+            code,
+        )
 
 
 @dataclass(frozen=True)
@@ -141,8 +152,13 @@ class BatchWatch(DecodeObserver):
 class Engine:
     """Owns the runtime and the worker thread, which decodes up to `max_batch` jobs at once."""
 
-    def __init__(self, loader: Callable[[], Runtime], *, metrics: Metrics | None = None,
-                 max_batch: int = RUNTIME.max_batch) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loader: Callable[[], Runtime],
+        *,
+        metrics: Metrics | None = None,
+        max_batch: int = RUNTIME.max_batch,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, not {max_batch}")
         self._loader = loader
@@ -332,10 +348,12 @@ class Engine:
         finish = "stop" if run.text.stopped else stream.stats.stopped
         done = Done(finish, len(job.prompt_ids), run.text.token_count(), stats)
         self.metrics.record_generation(
-            stats | {"offload": self._watch.uncounted(stats["offload"])}, finish=finish,
-            prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+            stats | {"offload": self._watch.uncounted(stats["offload"])},
+            finish=finish,
+            prompt_tokens=done.prompt_tokens,
+            completion_tokens=done.completion_tokens,
             seconds=time.perf_counter() - job.submitted,
-        )  # fmt: skip
+        )
         self._end(job, done)
 
     def _cancelled(self, job: Job) -> None:

@@ -93,8 +93,13 @@ class Metrics:
         self._offload: dict[str, Counter] = {}
         self._hit_rate: Gauge | None = None
 
-    def watch(self, *, ready: Callable[[], bool], queue_depth: Callable[[], int],
-              batch_size: Callable[[], int]) -> None:  # fmt: skip
+    def watch(
+        self,
+        *,
+        ready: Callable[[], bool],
+        queue_depth: Callable[[], int],
+        batch_size: Callable[[], int],
+    ) -> None:
         """Gauges read when scraped: whether the model is ready, requests waiting, requests
         being decoded."""
         Gauge(

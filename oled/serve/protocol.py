@@ -37,8 +37,9 @@ def refused(reason: str, *neutral: Any) -> AfterValidator:
     def check(value: Any) -> Any:
         if value is None or value in neutral:
             return value
-        raise PydanticCustomError("unsupported_parameter", "not supported ({reason})",
-                                  {"reason": reason})  # fmt: skip
+        raise PydanticCustomError(
+            "unsupported_parameter", "not supported ({reason})", {"reason": reason}
+        )
 
     return AfterValidator(check)
 

@@ -97,12 +97,23 @@ def simulate_cmd(
 
         for name, (a, r, c) in ANCHORS.items():
             runs[name] = base.with_values(
-                {"policy.allocation": {"kind": a}, "policy.retention": {"kind": r},
-                 "policy.compensation": {"kind": c}}
-            )  # fmt: skip
+                {
+                    "policy.allocation": {"kind": a},
+                    "policy.retention": {"kind": r},
+                    "policy.compensation": {"kind": c},
+                }
+            )
     table = Table(title=f"{trace_file.name}: {trace.num_steps} forwards")
-    for col in ("policy", "hit rate", "Belady bound", "ms/it (model)", "copies/it",
-                "GB/it", "CPU share", "misses routed before"):  # fmt: skip
+    for col in (
+        "policy",
+        "hit rate",
+        "Belady bound",
+        "ms/it (model)",
+        "copies/it",
+        "GB/it",
+        "CPU share",
+        "misses routed before",
+    ):
         if col == "policy":  # names whole, however narrow the terminal
             table.add_column(col, no_wrap=True, min_width=max(map(len, runs)))
         else:
@@ -110,10 +121,15 @@ def simulate_cmd(
     for name, r in runs.items():
         res, bound = simulate_recipe(trace, r, profile=profile)
         table.add_row(
-            name, f"{res.hit_rate:.3f}", f"{bound:.3f}", f"{res.ms_per_iteration:.2f}",
-            f"{res.copies_per_iteration:.1f}", f"{res.gb_copied_per_iteration:.3f}",
-            f"{100 * res.cpu_share:.1f}%", f"{100 * res.misses_routed_before:.0f}%",
-        )  # fmt: skip
+            name,
+            f"{res.hit_rate:.3f}",
+            f"{bound:.3f}",
+            f"{res.ms_per_iteration:.2f}",
+            f"{res.copies_per_iteration:.1f}",
+            f"{res.gb_copied_per_iteration:.3f}",
+            f"{100 * res.cpu_share:.1f}%",
+            f"{100 * res.misses_routed_before:.0f}%",
+        )
     console.print(table)
 
 

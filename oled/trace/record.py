@@ -33,10 +33,13 @@ def recording(runtime):
 
     cfg = runtime.config
     recorder = TraceRecorder(
-        num_moe_layers=cfg.num_moe_layers, num_experts=cfg.num_experts,
-        top_k=cfg.num_experts_per_tok, expert_bytes=runtime.checkpoint.experts.expert_bytes,
-        hidden_size=cfg.hidden_size, model_path=str(runtime.checkpoint.path),
-    )  # fmt: skip
+        num_moe_layers=cfg.num_moe_layers,
+        num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok,
+        expert_bytes=runtime.checkpoint.experts.expert_bytes,
+        hidden_size=cfg.hidden_size,
+        model_path=str(runtime.checkpoint.path),
+    )
 
     def hook(layer, ids, weights) -> None:
         recorder.record_routing(layer, ids.cpu().numpy(), weights.float().cpu().numpy())

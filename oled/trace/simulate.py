@@ -94,9 +94,16 @@ def simulate(
     """Replay `trace` through a fresh Planner built from these policy objects."""
     m = trace.meta
     planner = Planner.for_model(
-        m.num_moe_layers, m.num_experts, m.top_k, total_slots, stage_capacity=stage_capacity,
-        cost=cost, allocation=allocation, retention=retention, compensation=compensation,
-    )  # fmt: skip
+        m.num_moe_layers,
+        m.num_experts,
+        m.top_k,
+        total_slots,
+        stage_capacity=stage_capacity,
+        cost=cost,
+        allocation=allocation,
+        retention=retention,
+        compensation=compensation,
+    )
     step_ms = np.zeros(trace.num_steps)
     history = np.zeros((trace.num_steps, m.num_moe_layers), np.int64)
     clock = _Clock()
@@ -285,9 +292,11 @@ def simulate_recipe(trace, recipe, *, profile: str | None = None):
     if cost_name == "calibrate":
         raise ValueError("simulation needs a named cost profile: --profile h200 or cpu-ci")
     result = simulate(
-        trace, total_slots=slots, cost=CostModel.profile(cost_name),
+        trace,
+        total_slots=slots,
+        cost=CostModel.profile(cost_name),
         stage_capacity=recipe.runtime.stage_capacity,
         **with_oled_defaults(**recipe.policy.build()),
-    )  # fmt: skip
+    )
     bound = belady_bypass(trace, result.capacity_history)
     return result, bound

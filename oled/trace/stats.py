@@ -280,10 +280,13 @@ def _reuse_by_state(
     reuse_g = _ratio(_group_sum(used.sum(-1), g, G), K * count[None, :])  # [L, G]
     wreuse_g = _ratio(_group_sum((w * used).sum(-1), g, G), _group_sum(w.sum(-1), g, G))
     return {
-        n: {"reuse": _fig(reuse_g[:, j]), "weighted_reuse": _fig(wreuse_g[:, j]),
-            "pairs": int(count[j]) * K}
+        n: {
+            "reuse": _fig(reuse_g[:, j]),
+            "weighted_reuse": _fig(wreuse_g[:, j]),
+            "pairs": int(count[j]) * K,
+        }
         for j, n in enumerate(GROUPS)
-    }  # fmt: skip
+    }
 
 
 def _gate_weight(weights: np.ndarray, lay: _Layout) -> dict:
@@ -395,41 +398,72 @@ def _rows() -> list[tuple[str, Any]]:
     one = "{:.1f}"
     out: list[tuple[str, Any]] = [
         ("prompts / forwards", lambda r: f"{r['size']['prompts']} / {r['size']['forwards']}"),
-        ("decode forwards / rows", lambda r: f"{r['size']['decode_forwards']} / {r['size']['rows']}"),
-        ("layers x experts, top-k", lambda r: f"{r['size']['moe_layers']} x {r['size']['experts']}, {r['size']['top_k']}"),
+        (
+            "decode forwards / rows",
+            lambda r: f"{r['size']['decode_forwards']} / {r['size']['rows']}",
+        ),
+        (
+            "layers x experts, top-k",
+            lambda r: f"{r['size']['moe_layers']} x {r['size']['experts']}, {r['size']['top_k']}",
+        ),
         ("distinct experts/layer, block (mean)", lm("distinct_experts", "block", "mean", fmt=one)),
         ("  p90", lm("distinct_experts", "block", "p90", fmt=one)),
         ("  block iteration 0", lm("distinct_experts", "block_first_iteration", fmt=one)),
         ("  later iterations", lm("distinct_experts", "block_later_iterations", fmt=one)),
-        ("distinct experts/layer, all rows (mean)", lm("distinct_experts", "all_rows", "mean", fmt=one)),
+        (
+            "distinct experts/layer, all rows (mean)",
+            lm("distinct_experts", "all_rows", "mean", fmt=one),
+        ),
         ("  p90", lm("distinct_experts", "all_rows", "p90", fmt=one)),
-        ("prompt forward distinct, block / all rows",
-         lambda r: lm("distinct_experts", "prompt_forward_block", fmt=one)(r) + " / "
-         + lm("distinct_experts", "prompt_forward_all_rows", fmt=one)(r)),
-        ("tokens/forward, decode / all forwards",
-         lambda r: _f(r["tokens_per_forward"]["decode"], "{:.2f}") + " / "
-         + _f(r["tokens_per_forward"]["all_forwards"], "{:.2f}")),
-    ]  # fmt: skip
+        (
+            "prompt forward distinct, block / all rows",
+            lambda r: (
+                lm("distinct_experts", "prompt_forward_block", fmt=one)(r)
+                + " / "
+                + lm("distinct_experts", "prompt_forward_all_rows", fmt=one)(r)
+            ),
+        ),
+        (
+            "tokens/forward, decode / all forwards",
+            lambda r: (
+                _f(r["tokens_per_forward"]["decode"], "{:.2f}")
+                + " / "
+                + _f(r["tokens_per_forward"]["all_forwards"], "{:.2f}")
+            ),
+        ),
+    ]
     out += [(f"Jaccard d={d}, within / across block", pair("jaccard", d)) for d in range(1, 6)]
     out += [(f"reuse d={d}, within / across block", pair("reuse", d)) for d in range(1, 6)]
     out += [(f"routes kept at s+1, {n}", lm("route_stability", n, "kept")) for n in GROUPS]
     out += [
-        (f"experts used at s+1 (gate-wt), {n}",
-         lambda r, n=n: lm("reuse_by_state", n, "reuse")(r) + " ("
-         + lm("reuse_by_state", n, "weighted_reuse")(r) + ")")
+        (
+            f"experts used at s+1 (gate-wt), {n}",
+            lambda r, n=n: (
+                lm("reuse_by_state", n, "reuse")(r)
+                + " ("
+                + lm("reuse_by_state", n, "weighted_reuse")(r)
+                + ")"
+            ),
+        )
         for n in GROUPS
-    ]  # fmt: skip
+    ]
     out += [
-        (f"gate weight mean / top-1, {n}",
-         lambda r, n=n: lm("gate_weight", n, "mean")(r) + " / " + lm("gate_weight", n, "top1")(r))
+        (
+            f"gate weight mean / top-1, {n}",
+            lambda r, n=n: (
+                lm("gate_weight", n, "mean")(r) + " / " + lm("gate_weight", n, "top1")(r)
+            ),
+        )
         for n in GROUPS
-    ]  # fmt: skip
+    ]
     out += [
         ("load share of top 10% experts", lm("skew", "top10_share")),
         ("expert load CV", lm("skew", "load_cv", fmt="{:.2f}")),
-        ("unused experts/layer (total)",
-         lambda r: lm("skew", "unused_experts", fmt=one)(r) + f" ({r['skew']['unused_total']})"),
-    ]  # fmt: skip
+        (
+            "unused experts/layer (total)",
+            lambda r: lm("skew", "unused_experts", fmt=one)(r) + f" ({r['skew']['unused_total']})",
+        ),
+    ]
     return out
 
 

@@ -37,9 +37,12 @@ def export(out: Path, model, experts, mcfg: ModelConfig, tok: Tokenizer) -> None
     target = out / "checkpoint"
     tmp = out / "checkpoint.tmp"
     save_checkpoint(
-        tmp, config=mcfg, tensors=checkpoint_tensors(model, experts, mcfg), tokenizer=tok,
+        tmp,
+        config=mcfg,
+        tensors=checkpoint_tensors(model, experts, mcfg),
+        tokenizer=tok,
         shard_bytes=None,
-    )  # fmt: skip
+    )
     if target.exists():
         import shutil
 

@@ -76,12 +76,24 @@ class TrainConfig:
 PRESETS: dict[str, dict] = {
     "default": {},
     "twin": {
-        "layers": 20, "experts": 256, "top_k": 8, "groups": 8, "topk_group": 4,
-        "hidden": 512, "heads": 8, "kv_heads": 2, "head_dim": 64, "intermediate": 1024,
-        "moe_intermediate": 128, "blocks": 4, "batch": 64, "bias_update": 2e-3,
-        "eval_every": 100, "minutes": 20.0,
+        "layers": 20,
+        "experts": 256,
+        "top_k": 8,
+        "groups": 8,
+        "topk_group": 4,
+        "hidden": 512,
+        "heads": 8,
+        "kv_heads": 2,
+        "head_dim": 64,
+        "intermediate": 1024,
+        "moe_intermediate": 128,
+        "blocks": 4,
+        "batch": 64,
+        "bias_update": 2e-3,
+        "eval_every": 100,
+        "minutes": 20.0,
     },
-}  # fmt: skip
+}
 
 
 def parse_config(argv: list[str] | None) -> TrainConfig:

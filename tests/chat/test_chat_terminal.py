@@ -17,8 +17,18 @@ ROOT = Path(__file__).parents[2]
 
 def spawn(model: Path, tmp_path: Path, *args: str) -> pexpect.spawn:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OLED_HOME": str(tmp_path), "TERM": "dumb"}
-    cmd = ["-m", "oled.cli", "chat", "--model", str(model), "--device", "cpu", "--dtype",
-           "float32", *args]  # fmt: skip
+    cmd = [
+        "-m",
+        "oled.cli",
+        "chat",
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        *args,
+    ]
     child = pexpect.spawn(sys.executable, cmd, env=env, encoding="utf-8", timeout=60)
     child.expect_exact(PROMPT)
     return child
@@ -88,8 +98,9 @@ def test_conversation_and_commands(child):
 
 
 def test_ctrl_c_stops_a_reply_and_ctrl_d_leaves(tiny_dir, tmp_path):
-    child = spawn(tiny_dir, tmp_path, "--max-tokens", "3000", "--threshold", "1.0",
-                  "--block-length", "8")  # fmt: skip
+    child = spawn(
+        tiny_dir, tmp_path, "--max-tokens", "3000", "--threshold", "1.0", "--block-length", "8"
+    )
     try:
         child.sendline("Tell me a long story")
         child.expect_exact("Tell me a long story\r\n")  # the terminal's echo
@@ -118,12 +129,31 @@ def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(tiny_dir, tmp_p
     naming the byte, and the next line is answered (nothing after the bad bytes is lost)."""
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OLED_HOME": str(tmp_path),
-           "PYTHONIOENCODING": f"utf-8:{errors}"}  # fmt: skip
-    cmd = [sys.executable, "-m", "oled.cli", "chat", "--model", str(tiny_dir), "--device", "cpu",
-           "--dtype", "float32", "--max-tokens", "4", "--block-length", "8"]  # fmt: skip
-    done = subprocess.run(cmd, input=b"caf\xe9 au lait\nHello\n/stats\n", env=env,
-                          capture_output=True, timeout=120)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OLED_HOME": str(tmp_path),
+        "PYTHONIOENCODING": f"utf-8:{errors}",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "oled.cli",
+        "chat",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "4",
+        "--block-length",
+        "8",
+    ]
+    done = subprocess.run(
+        cmd, input=b"caf\xe9 au lait\nHello\n/stats\n", env=env, capture_output=True, timeout=120
+    )
     out = done.stdout.decode("utf-8", "replace")
     assert done.returncode == 0, done.stderr.decode()
     assert "error: the line is not valid UTF-8 text (byte 0xe9 at character 3)" in out

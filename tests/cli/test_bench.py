@@ -19,9 +19,28 @@ runner = CliRunner()
 
 
 def test_bench_tiny_writes_a_report(tiny_dir, tmp_path):
-    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
-            "--gen-length", "8", "--block-length", "8", "--prompt-length", "20", "--runs", "2",
-            "--warmup-runs", "1", "--profile", "--report-dir", str(tmp_path)]  # fmt: skip
+    args = [
+        "bench",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--gen-length",
+        "8",
+        "--block-length",
+        "8",
+        "--prompt-length",
+        "20",
+        "--runs",
+        "2",
+        "--warmup-runs",
+        "1",
+        "--profile",
+        "--report-dir",
+        str(tmp_path),
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "ms/iter p50" in result.output and "tokens/fwd" in result.output
@@ -38,12 +57,17 @@ def test_rows_report_their_agreement_with_the_resident_tokens(tiny_dir):
     from oled.decoding import DecodeConfig
     from oled.runtime import load_runtime
 
-    rt = load_runtime(str(tiny_dir), device="cpu", dtype="float32",
-                      decode=DecodeConfig(block_length=8))  # fmt: skip
+    rt = load_runtime(
+        str(tiny_dir), device="cpu", dtype="float32", decode=DecodeConfig(block_length=8)
+    )
     cfg = bench.BenchConfig(gen_length=8, prompt_length=20, runs=2, warmup_runs=0)
     free = bench.bench_runtime(rt, cfg, "free")
-    assert free["agreement"] == {"tokens_equal": 1.0, "first_divergence": None,
-                                 "max_logit_diff": 0.0, "runs": 2}  # fmt: skip
+    assert free["agreement"] == {
+        "tokens_equal": 1.0,
+        "first_divergence": None,
+        "max_logit_diff": 0.0,
+        "runs": 2,
+    }
     assert "followed_agreement" not in free
     followed = bench.bench_runtime(rt, cfg, "follow", follow=True)
     assert followed["followed_agreement"] == 1.0 and followed["agreement"]["runs"] == 1
@@ -62,12 +86,14 @@ def _engine_summary(prompt: dict, *decode: dict) -> dict:
 
 def test_offload_columns_and_ratios():
     def stats(ms):
-        return GenerationStats(iterations=len(ms), new_tokens=len(ms), seconds=sum(ms) / 1000,
-                               iteration_ms=ms)  # fmt: skip
+        return GenerationStats(
+            iterations=len(ms), new_tokens=len(ms), seconds=sum(ms) / 1000, iteration_ms=ms
+        )
 
     def row(label, ms, hits):
-        off = _engine_summary({"misses": 9, "copies": 90}, *({"hits": hits, "misses": 1,
-                              "copies": 4} for _ in ms[1:]))  # fmt: skip
+        off = _engine_summary(
+            {"misses": 9, "copies": 90}, *({"hits": hits, "misses": 1, "copies": 4} for _ in ms[1:])
+        )
         return bench.summarise(label, [stats(ms)], [off])
 
     rows = [row("resident", [50.0, 10.0, 12.0], 1), row("half", [90.0, 20.0, 24.0], 3)]
@@ -89,8 +115,9 @@ def test_offload_columns_and_ratios():
     text = console.export_text()
     assert "2.00x" in text and "50.0%" in text and "hit rate" in text
     assert "ahead/it" not in text  # no row copied ahead
-    ahead = _engine_summary({}, {"copies": 8, "predicted": 4, "predicted_hits": 1,
-                                 "cpu_experts": 2, "cpu_ms": 0.5})  # fmt: skip
+    ahead = _engine_summary(
+        {}, {"copies": 8, "predicted": 4, "predicted_hits": 1, "cpu_experts": 2, "cpu_ms": 0.5}
+    )
     rows = bench.with_ratios([*rows, bench.summarise("ahead", [stats([1.0, 5.0])], [ahead])])
     assert rows[-1]["offload"]["predicted_used"] == 0.25
     assert rows[-1]["offload"]["cpu_ms_per_expert"] == 0.25
@@ -110,9 +137,27 @@ def test_random_prompt_is_seeded(tiny_dir):
 
 
 def test_bench_with_an_expert_cache_shows_offload_columns(tiny_dir):
-    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
-            "--cache-size", "8", "--gen-length", "8", "--block-length", "8",
-            "--prompt-length", "20", "--runs", "1", "--warmup-runs", "0"]  # fmt: skip
+    args = [
+        "bench",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--cache-size",
+        "8",
+        "--gen-length",
+        "8",
+        "--block-length",
+        "8",
+        "--prompt-length",
+        "20",
+        "--runs",
+        "1",
+        "--warmup-runs",
+        "0",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "cache=8" in result.output and "hit rate" in result.output and "%" in result.output
@@ -120,10 +165,30 @@ def test_bench_with_an_expert_cache_shows_offload_columns(tiny_dir):
 
 def test_bench_profile_shows_the_host_path(tiny_dir, tmp_path):
     """--profile without a device timeline still times the engine's host stages."""
-    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
-            "--cache-size", "8", "--gen-length", "16", "--block-length", "8",
-            "--prompt-length", "20", "--runs", "1", "--warmup-runs", "0", "--profile",
-            "--report-dir", str(tmp_path)]  # fmt: skip
+    args = [
+        "bench",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--cache-size",
+        "8",
+        "--gen-length",
+        "16",
+        "--block-length",
+        "8",
+        "--prompt-length",
+        "20",
+        "--runs",
+        "1",
+        "--warmup-runs",
+        "0",
+        "--profile",
+        "--report-dir",
+        str(tmp_path),
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "host ms per iteration by stage" in result.output
@@ -141,16 +206,31 @@ def test_bench_compares_recipes_side_by_side(tiny_dir, tmp_path):
         common + '[runtime]\ndevice = "cpu"\nbudget = { expert_fraction = 0.25 }\n'
         'cost = "cpu-ci"\n[policy.retention]\nkind = "lru"\n'
     )
-    args = ["bench", str(a), str(b), "--prompt-length", "20", "--runs", "1", "--warmup-runs", "0",
-            "--report-dir", str(tmp_path)]  # fmt: skip
+    args = [
+        "bench",
+        str(a),
+        str(b),
+        "--prompt-length",
+        "20",
+        "--runs",
+        "1",
+        "--warmup-runs",
+        "0",
+        "--report-dir",
+        str(tmp_path),
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "resident" in result.output and "lru" in result.output
     first, second = json.loads(next(tmp_path.glob("bench-*.json")).read_text())["rows"]
     # each row ran free and was compared with the resident tokens: the resident row is them
     assert first["agreement"]["tokens_equal"] == 1.0 and first["agreement"]["max_logit_diff"] == 0
-    assert set(second["agreement"]) == {"tokens_equal", "first_divergence", "max_logit_diff",
-                                        "runs"}  # fmt: skip
+    assert set(second["agreement"]) == {
+        "tokens_equal",
+        "first_divergence",
+        "max_logit_diff",
+        "runs",
+    }
     assert second["decisions"]["costs"]["source"] == "profile cpu-ci" and first["decisions"] is None
     assert "= resident" in result.output and "prompt CPU" in result.output
 
@@ -161,8 +241,10 @@ def test_rows_done_stay_in_the_report_when_a_later_one_fails(tiny_dir, tmp_path,
     recipes = []
     for name in ("first", "second"):
         recipes.append(tmp_path / f"{name}.toml")
-        recipes[-1].write_text(f'[model]\npath = "{tiny_dir}"\n[runtime]\ndevice = "cpu"\n'
-                               "[decoding]\nmax_new_tokens = 8\nblock_length = 8\n")  # fmt: skip
+        recipes[-1].write_text(
+            f'[model]\npath = "{tiny_dir}"\n[runtime]\ndevice = "cpu"\n'
+            "[decoding]\nmax_new_tokens = 8\nblock_length = 8\n"
+        )
     real, built = runtime.build, []
 
     def build_then_fail(spec):
@@ -172,8 +254,18 @@ def test_rows_done_stay_in_the_report_when_a_later_one_fails(tiny_dir, tmp_path,
         return real(spec)
 
     monkeypatch.setattr(runtime, "build", build_then_fail)
-    args = ["bench", *map(str, recipes), "--prompt-length", "20", "--runs", "1",
-            "--warmup-runs", "0", "--report-dir", str(tmp_path / "out")]  # fmt: skip
+    args = [
+        "bench",
+        *map(str, recipes),
+        "--prompt-length",
+        "20",
+        "--runs",
+        "1",
+        "--warmup-runs",
+        "0",
+        "--report-dir",
+        str(tmp_path / "out"),
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code != 0 and len(built) == 2
     (report,) = (tmp_path / "out").glob("bench-*.json")
@@ -196,16 +288,23 @@ def test_stage_times_go_to_the_innermost_stage():
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
     def host(name, children=(), id=0):
-        e = SimpleNamespace(name=name, device_type=cpu, id=id, cpu_parent=None,
-                            cpu_children=list(children))  # fmt: skip
+        e = SimpleNamespace(
+            name=name, device_type=cpu, id=id, cpu_parent=None, cpu_children=list(children)
+        )
         for child in children:
             child.cpu_parent = e
         return e
 
     def device(id, us, linked=0, kind="kernel", name="kernel"):
-        return SimpleNamespace(name=name, device_type=cuda, id=id, cpu_parent=None,
-                               linked_correlation_id=linked, activity_type=kind,
-                               time_range=SimpleNamespace(elapsed_us=lambda: us))  # fmt: skip
+        return SimpleNamespace(
+            name=name,
+            device_type=cuda,
+            id=id,
+            cpu_parent=None,
+            linked_correlation_id=linked,
+            activity_type=kind,
+            time_range=SimpleNamespace(elapsed_us=lambda: us),
+        )
 
     mm = host("aten::mm", [host("cudaLaunchKernel", id=1)], id=500)
     attention = host("attention", [mm])
@@ -223,18 +322,44 @@ def test_stage_times_go_to_the_innermost_stage():
             e = stack.pop()
             flat.append(e)
             stack += e.cpu_children
-    kernels = [device(1, 5.0, linked=500), device(2, 7.0, linked=501), device(3, 3.0),
-               device(9, 30.0, linked=502), device(4, 4.0, linked=503), device(8, 0.5),
-               device(10, 99.0, kind="gpu_user_annotation", name="routing"),
-               device(11, 50.0, kind="cuda_sync", name="Stream Sync")]  # fmt: skip
+    kernels = [
+        device(1, 5.0, linked=500),
+        device(2, 7.0, linked=501),
+        device(3, 3.0),
+        device(9, 30.0, linked=502),
+        device(4, 4.0, linked=503),
+        device(8, 0.5),
+        device(10, 99.0, kind="gpu_user_annotation", name="routing"),
+        device(11, 50.0, kind="cuda_sync", name="Stream Sync"),
+    ]
     assert _stage_device_us(flat + kernels) == {
-        "attention": 5.0, "copies": 7.0, "routing": 3.0, "grouped GEMM": 30.0, "other": 4.5,
-    }  # fmt: skip
+        "attention": 5.0,
+        "copies": 7.0,
+        "routing": 3.0,
+        "grouped GEMM": 30.0,
+        "other": 4.5,
+    }
 
 
 def test_bench_eager_flag(tiny_dir):
-    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--eager", "--gen-length", "4",
-            "--block-length", "4", "--prompt-length", "8", "--runs", "1", "--warmup-runs", "0"]  # fmt: skip
+    args = [
+        "bench",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--eager",
+        "--gen-length",
+        "4",
+        "--block-length",
+        "4",
+        "--prompt-length",
+        "8",
+        "--runs",
+        "1",
+        "--warmup-runs",
+        "0",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
 
@@ -246,17 +371,49 @@ def test_kernels_flag_errors_before_loading(tiny_dir, monkeypatch):
         result = runner.invoke(app, [*base, "--kernels", kernels])
         assert result.exit_code == 2, result.output
         assert message in result.output
-    result = runner.invoke(app, [*base, "--kernels", "torch", "--block-length", "4",
-                                 "--prompt-length", "8", "--runs", "1", "--warmup-runs", "0"])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            *base,
+            "--kernels",
+            "torch",
+            "--block-length",
+            "4",
+            "--prompt-length",
+            "8",
+            "--runs",
+            "1",
+            "--warmup-runs",
+            "0",
+        ],
+    )
     assert result.exit_code == 0, result.output
 
 
 def test_bench_replays_a_routing_trace(tiny_dir, tmp_path, trace_file):
     """`--routing trace:PATH`: each row replays the selected traced prompts (their lengths,
     commits and routing) on its model; `--routing model` overrides a recipe's trace."""
-    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--dtype", "float32",
-            "--cache-size", "8", "--routing", f"trace:{trace_file}", "--prompts", "0,2",
-            "--runs", "1", "--warmup-runs", "1", "--report-dir", str(tmp_path)]  # fmt: skip
+    args = [
+        "bench",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--cache-size",
+        "8",
+        "--routing",
+        f"trace:{trace_file}",
+        "--prompts",
+        "0,2",
+        "--runs",
+        "1",
+        "--warmup-runs",
+        "1",
+        "--report-dir",
+        str(tmp_path),
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "2 prompts of default.oledtrace" in result.output
@@ -270,8 +427,20 @@ def test_bench_replays_a_routing_trace(tiny_dir, tmp_path, trace_file):
         f'[model]\npath = "{tiny_dir}"\n[runtime]\ndevice = "cpu"\ndtype = "float32"\n'
         f'[workload]\nrouting = "trace:{trace_file}"\ntrace_prompts = "1"\n'
     )
-    base = ["bench", str(recipe), "--runs", "1", "--warmup-runs", "0", "--gen-length", "8",
-            "--block-length", "8", "--prompt-length", "20"]  # fmt: skip
+    base = [
+        "bench",
+        str(recipe),
+        "--runs",
+        "1",
+        "--warmup-runs",
+        "0",
+        "--gen-length",
+        "8",
+        "--block-length",
+        "8",
+        "--prompt-length",
+        "20",
+    ]
     result = runner.invoke(app, [*base, "--report-dir", str(tmp_path / "a")])
     assert result.exit_code == 0, result.output
     (row,) = json.loads(next((tmp_path / "a").glob("bench-*.json")).read_text())["rows"]
@@ -282,8 +451,9 @@ def test_bench_replays_a_routing_trace(tiny_dir, tmp_path, trace_file):
     assert "routing" not in row and row["tokens"] == 8
 
 
-def test_bench_refuses_a_trace_of_another_geometry_before_loading(tiny_dir, tmp_path, trace_file,
-                                                                  monkeypatch):  # fmt: skip
+def test_bench_refuses_a_trace_of_another_geometry_before_loading(
+    tiny_dir, tmp_path, trace_file, monkeypatch
+):
     from oled.decoding.trace_file import Trace
 
     trace = Trace.load(trace_file)
@@ -293,8 +463,10 @@ def test_bench_refuses_a_trace_of_another_geometry_before_loading(tiny_dir, tmp_
     args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--routing", f"trace:{wider}"]
     result = runner.invoke(app, args)
     assert result.exit_code == 2
-    assert "(3 MoE layers x 64 experts, top-4) does not match the model's (3 MoE layers x 32" \
-        in " ".join(result.output.split())  # fmt: skip
+    assert (
+        "(3 MoE layers x 64 experts, top-4) does not match the model's (3 MoE layers x 32"
+        in " ".join(result.output.split())
+    )
     result = runner.invoke(app, ["bench", "--model", str(tiny_dir), "--prompts", "0"])
     assert result.exit_code == 2 and "--routing trace:PATH" in result.output
 
@@ -317,14 +489,28 @@ def test_bench_shows_progress_on_a_terminal_only(tiny_dir, tmp_path):
 
     import pexpect
 
-    args = ["bench", "--model", str(tiny_dir), "--device", "cpu", "--gen-length", "8",
-            "--block-length", "8", "--prompt-length", "20", "--runs", "3"]  # fmt: skip
+    args = [
+        "bench",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--gen-length",
+        "8",
+        "--block-length",
+        "8",
+        "--prompt-length",
+        "20",
+        "--runs",
+        "3",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0 and "timing" not in result.output  # no terminal, no bar
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "OLED_HOME": str(tmp_path), "TERM": "xterm"}
-    child = pexpect.spawn(sys.executable, ["-m", "oled.cli", *args], env=env, encoding="utf-8",
-                          timeout=120)  # fmt: skip
+    child = pexpect.spawn(
+        sys.executable, ["-m", "oled.cli", *args], env=env, encoding="utf-8", timeout=120
+    )
     child.expect(r"timing .*\d/3")  # the bar, counting the timed runs
     child.expect("tokens/s")  # then the table
     child.expect(pexpect.EOF)

@@ -68,9 +68,14 @@ def test_a_binary_file_given_as_a_recipe(tmp_path, built):
     trace = tmp_path / "t.oledtrace"
     synthetic_trace(num_layers=3, num_experts=32, top_k=4, blocks=1).save(trace)
     out = tmp_path / "new.oledtrace"
-    for args in (["validate", binary], ["run", binary], ["tune", binary],
-                 ["generate", "hi", "--recipe", binary], ["trace", "record", binary, "-o", out],
-                 ["simulate", trace, "--recipe", binary]):  # fmt: skip
+    for args in (
+        ["validate", binary],
+        ["run", binary],
+        ["tune", binary],
+        ["generate", "hi", "--recipe", binary],
+        ["trace", "record", binary, "-o", out],
+        ["simulate", trace, "--recipe", binary],
+    ):
         result = runner.invoke(app, [str(a) for a in args])
         assert f"{binary}: not a TOML recipe: not UTF-8 text (byte 0x" in one_error(result), args
     assert built == []
@@ -230,11 +235,22 @@ def test_an_empty_prompt(built):
 def test_chat_asks_again_after_an_empty_line(tiny_dir, tmp_path):
     import subprocess
 
-    cmd = [sys.executable, "-m", "oled.cli", "chat", "--model", str(tiny_dir), "--device", "cpu",
-           "--dtype", "float32"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "oled.cli",
+        "chat",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OLED_HOME": str(tmp_path)}
-    done = subprocess.run(cmd, input="\n   \n/stats\n/exit\n", capture_output=True, text=True,
-                          env=env, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        cmd, input="\n   \n/stats\n/exit\n", capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.count(">>> ") == 4  # each empty line: the prompt again, no reply
     assert "no reply yet" in done.stdout and "error" not in done.stdout + done.stderr

@@ -13,8 +13,13 @@ from oled.offload.budget import Budget
 from oled.policies import anchor_policies
 from oled.runtime import build_runtime, load_runtime
 
-PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak.",
-           "KING HENRY:\nNow", "JULIET: " * 30, "A"]  # fmt: skip
+PROMPTS = [
+    "ROMEO:",
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+    "KING HENRY:\nNow",
+    "JULIET: " * 30,
+    "A",
+]
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +70,9 @@ def test_batch_sampling_is_each_streams_own(resident):
 
 @pytest.mark.parametrize("policy", ["lru", "oled"])
 def test_offloaded_batch_equals_single_and_shares_copies(policy):
-    rt = build_runtime(device="cpu", budget=Budget("expert_fraction", 0.25),
-                       **anchor_policies(policy))  # fmt: skip
+    rt = build_runtime(
+        device="cpu", budget=Budget("expert_fraction", 0.25), **anchor_policies(policy)
+    )
     cfg = DecodeConfig(max_new_tokens=32)
     ids = [rt.tokenizer.encode(p) for p in PROMPTS[:4]]
     alone, copies_alone = [], 0.0

@@ -214,8 +214,12 @@ def test_agreement_with_the_resident_model(rt):
     assert reference.tokens and len(reference.logits) == len(reference.steps)
     same = Agreement(reference)
     assert _generate(rt, prompt, cfg, observers=[same]) == reference.tokens
-    assert same.result() == {"tokens_equal": True, "first_divergence": None,
-                             "diverged_step": None, "max_logit_diff": 0.0}  # fmt: skip
+    assert same.result() == {
+        "tokens_equal": True,
+        "first_divergence": None,
+        "diverged_step": None,
+        "max_logit_diff": 0.0,
+    }
 
     def shifted(token: int, by: float) -> dict:
         """Agreement of a generation whose logits of `token` are raised by `by`."""

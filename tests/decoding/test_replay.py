@@ -23,23 +23,37 @@ from oled.offload.budget import Budget
 from oled.runtime import build_runtime, load_runtime
 from oled.trace.record import record_replay
 
-FIELDS = ("ids", "weights", "token_state", "confidence", "row_offsets", "block", "iteration",
-          "step")  # fmt: skip
+FIELDS = (
+    "ids",
+    "weights",
+    "token_state",
+    "confidence",
+    "row_offsets",
+    "block",
+    "iteration",
+    "step",
+)
 
 
 def prompts_of(trace: Trace, chosen: list[int]) -> Trace:
     """The trace of some of its prompts."""
     bounds = np.append(np.flatnonzero(trace.step == 0), trace.num_steps)
     steps = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in chosen])
-    rows = np.concatenate([np.arange(trace.row_offsets[s], trace.row_offsets[s + 1])
-                           for s in steps])  # fmt: skip
+    rows = np.concatenate(
+        [np.arange(trace.row_offsets[s], trace.row_offsets[s + 1]) for s in steps]
+    )
     lengths = np.diff(trace.row_offsets)[steps]
     return replace(
-        trace, ids=trace.ids[:, rows], weights=trace.weights[:, rows],
-        token_state=trace.token_state[rows], confidence=trace.confidence[rows],
+        trace,
+        ids=trace.ids[:, rows],
+        weights=trace.weights[:, rows],
+        token_state=trace.token_state[rows],
+        confidence=trace.confidence[rows],
         row_offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        block=trace.block[steps], iteration=trace.iteration[steps], step=trace.step[steps],
-    )  # fmt: skip
+        block=trace.block[steps],
+        iteration=trace.iteration[steps],
+        step=trace.step[steps],
+    )
 
 
 def assert_same_trace(again: Trace, trace: Trace) -> None:
@@ -85,9 +99,13 @@ def test_replay_offloaded_on_another_checkpoint_records_the_trace_again(trace, o
     """Another seed and hidden size, a quarter of the experts on the device, OLED's policies
     (confidence-guided retention): the same routing, schedule and confidences."""
     rt = build_runtime(
-        model=str(other_dir), device="cpu", dtype="float32", cost="cpu-ci",
-        budget=Budget("expert_fraction", 0.25), stage_capacity=2,
-    )  # fmt: skip
+        model=str(other_dir),
+        device="cpu",
+        dtype="float32",
+        cost="cpu-ci",
+        budget=Budget("expert_fraction", 0.25),
+        stage_capacity=2,
+    )
     seen = []
     real = rt.executor.planner.observe
 
@@ -110,9 +128,13 @@ def test_replay_offloaded_on_another_checkpoint_records_the_trace_again(trace, o
 
 def test_selected_prompts_and_cpu_experts(trace, tiny_dir):
     rt = build_runtime(
-        model=str(tiny_dir), device="cpu", dtype="float32", cost="cpu-ci",
-        budget=Budget("expert_budget", 3), stage_capacity=1,
-    )  # fmt: skip
+        model=str(tiny_dir),
+        device="cpu",
+        dtype="float32",
+        cost="cpu-ci",
+        budget=Budget("expert_budget", 3),
+        stage_capacity=1,
+    )
     again = record_replay(rt, trace, [1])
     assert_same_trace(again, prompts_of(trace, [1]))
     assert rt.stats()["cpu_experts"] + rt.stats()["copies"] > 0
@@ -169,9 +191,12 @@ def test_an_unreplayable_trace_is_refused(trace):
 
 def test_block_length_comes_from_the_trace_or_the_hint():
     one = SimpleNamespace(
-        step=np.array([0]), block=np.array([0]), iteration=np.array([0]),
-        row_offsets=np.array([0, 24]), token_state=np.array([0] * 19 + [2] * 5, np.int8),
-    )  # fmt: skip
+        step=np.array([0]),
+        block=np.array([0]),
+        iteration=np.array([0]),
+        row_offsets=np.array([0, 24]),
+        token_state=np.array([0] * 19 + [2] * 5, np.int8),
+    )
     assert split_prompts(one, 8) == [ReplayPrompt(0, 0, 1, 19, 8, 1)]
     assert split_prompts(one, 12)[0].prompt_length == 12 + 7
     with pytest.raises(ValueError, match="multiple of the block length"):
@@ -214,10 +239,15 @@ def test_graphed_replay_runs_the_traced_routing(trace, other_dir, offloaded, mon
         if not offloaded:
             return load_runtime(str(other_dir), device="cuda", dtype="bfloat16", graphs=graphs)
         return build_runtime(
-            model=str(other_dir), device="cuda", dtype="bfloat16", cost="h200", graphs=graphs,
-            budget=Budget("expert_fraction", 0.25), retention=R.LRURetention(),
+            model=str(other_dir),
+            device="cuda",
+            dtype="bfloat16",
+            cost="h200",
+            graphs=graphs,
+            budget=Budget("expert_fraction", 0.25),
+            retention=R.LRURetention(),
             compensation=C.TransferOnly(),
-        )  # fmt: skip
+        )
 
     def replays(rt) -> list:
         logits.clear()

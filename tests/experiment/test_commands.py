@@ -59,9 +59,12 @@ def run_tiny(tmp_path: Path, mlflow_uri: str, name: str, runtime: str, rest: str
 
 def test_run_tiny_end_to_end(tmp_path: Path, mlflow_uri: str) -> None:
     report = run_tiny(
-        tmp_path, mlflow_uri, "tiny", "budget = { resident = true }",
+        tmp_path,
+        mlflow_uri,
+        "tiny",
+        "budget = { resident = true }",
         "[workload]\nwarmup = 0\nrepeats = 1",
-    )  # fmt: skip
+    )
     assert report["summary"]["generations"] == 4 and report["summary"]["iterations"] > 0
     assert not report["summary"]["copies"]  # every expert resident
 
@@ -69,11 +72,14 @@ def test_run_tiny_end_to_end(tmp_path: Path, mlflow_uri: str) -> None:
 def test_run_follows_the_resident_tokens(tmp_path: Path, mlflow_uri: str) -> None:
     """`workload.follow`: every timed generation commits the reference's tokens."""
     report = run_tiny(
-        tmp_path, mlflow_uri, "follow", 'budget = { expert_fraction = 0.25 }\ncost = "cpu-ci"',
+        tmp_path,
+        mlflow_uri,
+        "follow",
+        'budget = { expert_fraction = 0.25 }\ncost = "cpu-ci"',
         '[policy.allocation]\nkind = "uniform"\n[policy.retention]\nkind = "lru"\n'
         '[policy.compensation]\nkind = "cpu_only"\n'
         "[workload]\nwarmup = 1\nrepeats = 1\nfollow = true",
-    )  # fmt: skip
+    )
     gens = report["generations"]
     assert len(gens) == 4 and all(g["followed"] > 0 and g["cpu_experts"] > 0 for g in gens)
     assert report["summary"]["agreement"] == 1.0  # one device: the same choices
@@ -88,10 +94,12 @@ def test_run_replays_a_routing_trace(tmp_path: Path, mlflow_uri: str, trace_file
     trace's (its prompts selected by `workload.trace_prompts`), not workload.prompts'."""
     (tmp_path / "t.oledtrace").write_bytes(trace_file.read_bytes())
     report = run_tiny(
-        tmp_path, mlflow_uri, "replay", 'budget = { expert_fraction = 0.25 }\ncost = "cpu-ci"',
-        '[workload]\nwarmup = 1\nrepeats = 2\nrouting = "trace:t.oledtrace"\n'
-        'trace_prompts = "1:"',
-    )  # fmt: skip
+        tmp_path,
+        mlflow_uri,
+        "replay",
+        'budget = { expert_fraction = 0.25 }\ncost = "cpu-ci"',
+        '[workload]\nwarmup = 1\nrepeats = 2\nrouting = "trace:t.oledtrace"\ntrace_prompts = "1:"',
+    )
     gens = report["generations"]
     assert [g["trace_prompt"] for g in gens] == [1, 2, 1, 2]
     assert [g["iterations"] for g in gens] == [12, 16, 12, 16]

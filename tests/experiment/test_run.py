@@ -29,13 +29,33 @@ def _recipe(tmp_path: Path, uri: str, experiment: str, mlflow: bool = True):
 
 def test_summarize() -> None:
     gens = [
-        {"iterations": 2, "tokens": 4, "seconds": 0.5, "iteration_ms": [1.0, 3.0], "hits": 3,
-         "misses": 1, "cpu_experts": 1, "gpu_experts": 3, "copy_bytes": 2e9, "stall_ms": 4.0,
-         "per_layer": [{"hits": 1, "misses": 1}, {"hits": 2, "misses": 0}]},
-        {"iterations": 2, "tokens": 4, "seconds": 0.5, "iteration_ms": [2.0, 4.0], "hits": 1,
-         "misses": 3, "cpu_experts": 0, "gpu_experts": 4, "copy_bytes": 0, "stall_ms": 0.0,
-         "per_layer": [{"hits": 0, "misses": 2}, {"hits": 1, "misses": 1}]},
-    ]  # fmt: skip
+        {
+            "iterations": 2,
+            "tokens": 4,
+            "seconds": 0.5,
+            "iteration_ms": [1.0, 3.0],
+            "hits": 3,
+            "misses": 1,
+            "cpu_experts": 1,
+            "gpu_experts": 3,
+            "copy_bytes": 2e9,
+            "stall_ms": 4.0,
+            "per_layer": [{"hits": 1, "misses": 1}, {"hits": 2, "misses": 0}],
+        },
+        {
+            "iterations": 2,
+            "tokens": 4,
+            "seconds": 0.5,
+            "iteration_ms": [2.0, 4.0],
+            "hits": 1,
+            "misses": 3,
+            "cpu_experts": 0,
+            "gpu_experts": 4,
+            "copy_bytes": 0,
+            "stall_ms": 0.0,
+            "per_layer": [{"hits": 0, "misses": 2}, {"hits": 1, "misses": 1}],
+        },
+    ]
     s = summarize(gens)
     assert s["ms_per_token"] == 125.0 and s["tokens_per_forward"] == 2.0
     # the first forward of each generation runs the prompt: apart from the decode iterations
@@ -62,8 +82,11 @@ def test_run_is_logged_to_mlflow(tmp_path: Path, components, mlflow_uri: str) ->
     # one named metric per layer, each a single value (the runs table's and compare view's)
     layers = {k: v for k, v in run.data.metrics.items() if k.startswith("hit_rate.layer_")}
     rates = [layer["hit_rate"] for layer in result.report["per_layer"]]
-    assert layers == {"hit_rate.layer_00": rates[0], "hit_rate.layer_01": rates[1],
-                      "hit_rate.layer_02": rates[2]}  # fmt: skip
+    assert layers == {
+        "hit_rate.layer_00": rates[0],
+        "hit_rate.layer_01": rates[1],
+        "hit_rate.layer_02": rates[2],
+    }
     client = MlflowClient(mlflow_uri)
     for key in [*layers, "ms_per_iteration"]:
         assert len(client.get_metric_history(run.info.run_id, key)) == 1

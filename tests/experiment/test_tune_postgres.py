@@ -75,16 +75,40 @@ def postgres_url() -> Iterator[str]:
         subprocess.run([*prefix, *args], cwd=folder, check=True, capture_output=True, timeout=60)
 
     try:
-        server(str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "oled",
-               "--no-sync", "--no-locale", "-E", "UTF8")  # fmt: skip
+        server(
+            str(bin_dir / "initdb"),
+            "-D",
+            str(data),
+            "-A",
+            "trust",
+            "-U",
+            "oled",
+            "--no-sync",
+            "--no-locale",
+            "-E",
+            "UTF8",
+        )
         options = f"-k {folder} -p {PORT} -c listen_addresses='' -c fsync=off"
-        server(str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(folder / "log"), "-w",
-               "-o", options, "start")  # fmt: skip
+        server(
+            str(bin_dir / "pg_ctl"),
+            "-D",
+            str(data),
+            "-l",
+            str(folder / "log"),
+            "-w",
+            "-o",
+            options,
+            "start",
+        )
         yield f"postgresql+psycopg://oled@/postgres?host={folder}&port={PORT}"
     finally:
         if data.exists():
-            subprocess.run([*prefix, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate",
-                            "stop"], cwd=folder, capture_output=True, timeout=60)  # fmt: skip
+            subprocess.run(
+                [*prefix, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                cwd=folder,
+                capture_output=True,
+                timeout=60,
+            )
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -103,8 +127,16 @@ def test_killed_worker_loses_no_trial(tmp_path: Path, postgres_url: str) -> None
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(root=str(ROOT)))
     hang, killed = tmp_path / "hang", tmp_path / "killed"
-    args = [sys.executable, str(script), "tune", str(path), "--heartbeat-interval", "1",
-            "--grace-period", "2"]  # fmt: skip
+    args = [
+        sys.executable,
+        str(script),
+        "tune",
+        str(path),
+        "--heartbeat-interval",
+        "1",
+        "--grace-period",
+        "2",
+    ]
     env = os.environ | {"BOWL_SECONDS": "0.4"}
 
     def worker(**extra: str) -> subprocess.Popen:
@@ -117,8 +149,12 @@ def test_killed_worker_loses_no_trial(tmp_path: Path, postgres_url: str) -> None
         study = optuna.load_study(study_name="bowl", storage=postgres_url)
         done = {t.number: t.value for t in study.trials if t.state.is_finished()}
         victim_id = f"{socket.gethostname()}:{victim.pid}"
-        (hung,) = [t for t in study.trials if t.user_attrs.get("worker") == victim_id
-                   and t.state == optuna.trial.TrialState.RUNNING]  # fmt: skip
+        (hung,) = [
+            t
+            for t in study.trials
+            if t.user_attrs.get("worker") == victim_id
+            and t.state == optuna.trial.TrialState.RUNNING
+        ]
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=30)
         killed.touch()

@@ -35,8 +35,12 @@ def logits(rt, mode: str) -> torch.Tensor:
         return rt.model(ids)[0]  # [T, V]
 
 
-FUSED = [("norm", "rms_norm"), ("norm", "qk_norm_rotary"), ("route", "select_experts"),
-         ("moe", "fused_expert_pairs")]  # fmt: skip
+FUSED = [
+    ("norm", "rms_norm"),
+    ("norm", "qk_norm_rotary"),
+    ("route", "select_experts"),
+    ("moe", "fused_expert_pairs"),
+]
 
 
 def test_fused_logits_match_the_torch_kernels(tiny_dir, fused_mode, monkeypatch):
@@ -55,8 +59,12 @@ def test_fused_logits_match_the_torch_kernels(tiny_dir, fused_mode, monkeypatch)
     rt = load_runtime(str(tiny_dir), device=DEVICE, dtype="float32", kernels="triton")
     fused = logits(rt, "triton")
     layers, moe = rt.config.num_hidden_layers, rt.config.num_moe_layers
-    assert calls == {"rms_norm": 2 * layers + 1, "qk_norm_rotary": layers,
-                     "select_experts": moe, "fused_expert_pairs": moe}  # fmt: skip
+    assert calls == {
+        "rms_norm": 2 * layers + 1,
+        "qk_norm_rotary": layers,
+        "select_experts": moe,
+        "fused_expert_pairs": moe,
+    }
     plain = logits(rt, "torch")
     assert calls["select_experts"] == moe  # the torch kernels call none of them
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
@@ -82,10 +90,17 @@ def test_offloaded_fused_tokens_equal_resident_fused(
     tiny_dir, fused_mode, resident_fused_tokens, compensation
 ):
     rt = build_runtime(
-        model=str(tiny_dir), device=DEVICE, dtype="float32", budget=Budget("expert_budget", 3),
-        cost="cpu-ci", retention=R.LRURetention(), compensation=compensation(),
-        allocation=A.UniformAllocation(), stage_capacity=2, kernels="triton",
-    )  # fmt: skip
+        model=str(tiny_dir),
+        device=DEVICE,
+        dtype="float32",
+        budget=Budget("expert_budget", 3),
+        cost="cpu-ci",
+        retention=R.LRURetention(),
+        compensation=compensation(),
+        allocation=A.UniformAllocation(),
+        stage_capacity=2,
+        kernels="triton",
+    )
     assert rt.generate(PROMPT, **SHORT).token_ids == resident_fused_tokens
     assert rt.stats()["misses"] > 0
 

@@ -75,8 +75,12 @@ def test_matches_expert_pairs(case, dtype):
     t, k, h, i, s = CASES[case]
     w13, w2 = make_table(s, h, i, dtype, seed=1)
     x, slots, weights = make_batch(t, k, h, s, dtype, seed=2)
-    check_close(fused_expert_pairs(x, slots, weights, w13, w2),
-                expert_pairs(x, slots, weights, w13, w2), slots, dtype)  # fmt: skip
+    check_close(
+        fused_expert_pairs(x, slots, weights, w13, w2),
+        expert_pairs(x, slots, weights, w13, w2),
+        slots,
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -130,8 +134,9 @@ def test_batch_invariant(dtype):
     xe, ide, we = make_batch(9, 2, h, experts, dtype, seed=8, drop=0.2)
     rows = torch.tensor([1, 4, 8], device=DEVICE)  # where the original tokens go
     xe[rows], ide[rows], we[rows] = x, ids, weights
-    crowd = fused_expert_pairs(xe, place[ide.clamp(min=0)].masked_fill(ide < 0, -1), we,
-                               big13, big2)  # fmt: skip
+    crowd = fused_expert_pairs(
+        xe, place[ide.clamp(min=0)].masked_fill(ide < 0, -1), we, big13, big2
+    )
     assert torch.equal(crowd[rows], base)
 
 
@@ -166,8 +171,12 @@ def test_real_shape_matches_expert_pairs(real_table, distinct):
     x, slots, weights = real_inputs(distinct, seed=distinct)
     if distinct == 256:  # every slot used: tokens 0..31 cover all 256 slots
         slots = torch.arange(256, device="cuda").view(32, 8)
-    check_close(fused_expert_pairs(x, slots, weights, w13, w2),
-                expert_pairs(x, slots, weights, w13, w2), slots, torch.bfloat16)  # fmt: skip
+    check_close(
+        fused_expert_pairs(x, slots, weights, w13, w2),
+        expert_pairs(x, slots, weights, w13, w2),
+        slots,
+        torch.bfloat16,
+    )
 
 
 @pytest.mark.gpu

@@ -215,11 +215,19 @@ def kernel_qk(cfg, qkv, weights, cos, sin, cache, past):
     """qk_norm_rotary on qkv [B, T, W], writing keys/values at `past` of cache (kbuf, vbuf)."""
     t = qkv.shape[1]
     return qk_norm_rotary(
-        qkv, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, q_weight=weights[0], k_weight=weights[1], eps=cfg.rms_norm_eps,
-        cos=cos, sin=sin, rotary_dim=cfg.rotary_dim, k_out=cache[0][:, :, past : past + t],
+        qkv,
+        heads=cfg.num_attention_heads,
+        kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        q_weight=weights[0],
+        k_weight=weights[1],
+        eps=cfg.rms_norm_eps,
+        cos=cos,
+        sin=sin,
+        rotary_dim=cfg.rotary_dim,
+        k_out=cache[0][:, :, past : past + t],
         v_out=cache[1][:, :, past : past + t],
-    )  # fmt: skip
+    )
 
 
 def check_qk_norm_rotary(cfg, *, b, t, past, s_max, dtype, device, exact, seed=0):

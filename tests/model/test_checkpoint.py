@@ -25,9 +25,13 @@ def in_memory_logits(tokens: torch.Tensor) -> torch.Tensor:
     model.load_state_dict(dense)
     i = cfg.moe_intermediate_size
     store = ExpertStore.empty(
-        layers=cfg.num_moe_layers, experts=cfg.num_experts, hidden=cfg.hidden_size, inter=i,
-        dtype=torch.float32, pin=False,
-    )  # fmt: skip
+        layers=cfg.num_moe_layers,
+        experts=cfg.num_experts,
+        hidden=cfg.hidden_size,
+        inter=i,
+        dtype=torch.float32,
+        pin=False,
+    )
     for m, layer in enumerate(cfg.moe_layers):
         for e in range(cfg.num_experts):
             p = f"model.layers.{layer}.mlp.experts.{e}."

@@ -74,9 +74,19 @@ def test_training_forward_matches_block_causal_decoding():
     import oled.train as T
 
     cfg = T.TrainConfig(
-        hidden=64, layers=3, heads=2, kv_heads=1, head_dim=32, intermediate=64, experts=8,
-        top_k=2, groups=2, topk_group=1, moe_intermediate=16, vocab_size=600,
-    )  # fmt: skip
+        hidden=64,
+        layers=3,
+        heads=2,
+        kv_heads=1,
+        head_dim=32,
+        intermediate=64,
+        experts=8,
+        top_k=2,
+        groups=2,
+        topk_group=1,
+        moe_intermediate=16,
+        vocab_size=600,
+    )
     mcfg = cfg.model_config()
     gen = torch.Generator().manual_seed(0)
     model = T.init_model(mcfg, gen).double()

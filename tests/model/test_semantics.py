@@ -19,9 +19,12 @@ from oled.runtime import resolve_model
 def _write(path, cfg: ModelConfig, seed: int = 0):
     tensors = random_tensors(cfg, seed=seed)
     return save_checkpoint(
-        path, config=cfg, tensors=tensors, tokenizer=preset_tokenizer("tiny", cfg),
+        path,
+        config=cfg,
+        tensors=tensors,
+        tokenizer=preset_tokenizer("tiny", cfg),
         shard_bytes=None,
-    )  # fmt: skip
+    )
 
 
 def test_router_values_are_rounded_to_the_model_dtype():
@@ -64,8 +67,11 @@ def test_tied_embeddings_share_one_tensor(tmp_path):
 
 def test_shared_expert_sized_as_the_reference_and_ignored_fields_warned(tmp_path):
     base = preset_config("tiny")
-    odd = dataclasses.replace(base, moe_shared_expert_intermediate_size=3 * base.moe_intermediate_size,
-                              norm_topk_prob=False)  # fmt: skip
+    odd = dataclasses.replace(
+        base,
+        moe_shared_expert_intermediate_size=3 * base.moe_intermediate_size,
+        norm_topk_prob=False,
+    )
     _write(tmp_path, odd)
     with pytest.warns(ConfigWarning) as seen:
         cfg = ModelConfig.from_json(tmp_path)
@@ -100,6 +106,8 @@ def test_the_command_line_shows_an_ignored_field_as_one_warning_line(tmp_path):
     result = CliRunner().invoke(app, ["model", "info", str(tmp_path)])
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if "norm_topk_prob" in line]
-    assert lines == [f"warning: {tmp_path / 'config.json'}: norm_topk_prob = false: LLaDA2's "
-                     "reference code ignores it and always normalises the top-k gate weights; "
-                     "so does OLED-MoE"]  # fmt: skip
+    assert lines == [
+        f"warning: {tmp_path / 'config.json'}: norm_topk_prob = false: LLaDA2's "
+        "reference code ignores it and always normalises the top-k gate weights; "
+        "so does OLED-MoE"
+    ]

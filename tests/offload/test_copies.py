@@ -26,8 +26,9 @@ def test_calibration_measures_the_engine_paths_and_caches(tmp_path):
     from oled.model.experts import ExpertStore
     from oled.offload.calibrate import calibrated_cost, stored_calibrations
 
-    store = ExpertStore.empty(layers=1, experts=8, hidden=64, inter=32, dtype=torch.float32,
-                              pin=False)  # fmt: skip
+    store = ExpertStore.empty(
+        layers=1, experts=8, hidden=64, inter=32, dtype=torch.float32, pin=False
+    )
     for w in (*store.w13, *store.w2):
         w.normal_()
     first = calibrated_cost(store, torch.device("cpu"), tmp_path)

@@ -53,7 +53,7 @@ class Runtime:
                 _p,
                 _s,
                 _p,
-            )(self.batch),  # fmt: skip
+            )(self.batch),
             "record": ctypes.CFUNCTYPE(_int, _p, _p)(self.record),
             "wait": ctypes.CFUNCTYPE(_int, _p, _p, ctypes.c_uint)(
                 lambda s, e, f: self.log("wait", s, e)
@@ -91,38 +91,73 @@ class Runtime:
 
 def setup(compensation, *, batch_min: int = 0):
     p = Planner.for_model(
-        L, E, K, 3 * 5, stage_capacity=STAGE_CAPACITY, cost=CostModel.profile("h200"),
-        allocation=UniformAllocation(), retention=R.LRURetention(), compensation=compensation,
+        L,
+        E,
+        K,
+        3 * 5,
+        stage_capacity=STAGE_CAPACITY,
+        cost=CostModel.profile("h200"),
+        allocation=UniformAllocation(),
+        retention=R.LRURetention(),
+        compensation=compensation,
         compiled=True,
-    )  # fmt: skip
+    )
     maps = np.full((L, p.slot_map_rows, E), -1, np.int64)
     p.attach_maps(maps)
     rt = Runtime()
     counts = np.zeros((L, len(COUNTS)))
     keep = dict(
-        counts=counts, log=np.zeros((256, 4), np.int64), events=(_p * 512)(),
-        tables=[np.array([b + 10**7 * layer for layer in range(L)], np.int64)
-                for b in (SRC13, SRC2, CACHE13, CACHE2)],
-        args=[(_p * (2 * E + 2))() for _ in range(2)], sizes=(_s * (2 * E + 2))(),
-    )  # fmt: skip
+        counts=counts,
+        log=np.zeros((256, 4), np.int64),
+        events=(_p * 512)(),
+        tables=[
+            np.array([b + 10**7 * layer for layer in range(L)], np.int64)
+            for b in (SRC13, SRC2, CACHE13, CACHE2)
+        ],
+        args=[(_p * (2 * E + 2))() for _ in range(2)],
+        sizes=(_s * (2 * E + 2))(),
+    )
     fn = {k: ctypes.cast(f, _p).value for k, f in rt.fns.items()}
     d = Drive(
         **{k: v for k, v in fn.items() if k != "memcpy_batch"},
-        memcpy_batch=fn["memcpy_batch"], batch_abi=13, batch_min=batch_min, compute=COMPUTE,
-        copy=COPY, stage13=STAGE13, stage2=STAGE2, size13=Z13, size2=Z2,
-        stage_capacity=p.stage_capacity, bind=ctypes.addressof(p.native.bind),
-        out=p.native.out.ctypes.data, maps_host=maps.ctypes.data, maps_dev=MAPS_DEV,
-        map_rows=maps.shape[1], num_experts=E, events=ctypes.addressof(keep["events"]),
-        n_events=512, log=keep["log"].ctypes.data, log_cap=256, counts=counts.ctypes.data,
-        srcs=ctypes.addressof(keep["args"][0]), dsts=ctypes.addressof(keep["args"][1]),
+        memcpy_batch=fn["memcpy_batch"],
+        batch_abi=13,
+        batch_min=batch_min,
+        compute=COMPUTE,
+        copy=COPY,
+        stage13=STAGE13,
+        stage2=STAGE2,
+        size13=Z13,
+        size2=Z2,
+        stage_capacity=p.stage_capacity,
+        bind=ctypes.addressof(p.native.bind),
+        out=p.native.out.ctypes.data,
+        maps_host=maps.ctypes.data,
+        maps_dev=MAPS_DEV,
+        map_rows=maps.shape[1],
+        num_experts=E,
+        events=ctypes.addressof(keep["events"]),
+        n_events=512,
+        log=keep["log"].ctypes.data,
+        log_cap=256,
+        counts=counts.ctypes.data,
+        srcs=ctypes.addressof(keep["args"][0]),
+        dsts=ctypes.addressof(keep["args"][1]),
         sizes=ctypes.addressof(keep["sizes"]),
-    )  # fmt: skip
+    )
     d.src13, d.src2, d.cache13, d.cache2 = (t.ctypes.data for t in keep["tables"])
     execs = np.arange(1, p.slot_map_rows + 1, dtype=np.int64) * 100  # graph of row r: 100 (r+1)
     routing = (np.zeros((T, K), np.int64), np.zeros((T, K), np.float32))
-    call = Call(execs=execs.ctypes.data, n_execs=len(execs), ids_host=routing[0].ctypes.data,
-                w_host=routing[1].ctypes.data, pairs=T * K, x_dev=X_DEV, x_host=X_HOST,
-                x_bytes=X_BYTES)  # fmt: skip
+    call = Call(
+        execs=execs.ctypes.data,
+        n_execs=len(execs),
+        ids_host=routing[0].ctypes.data,
+        w_host=routing[1].ctypes.data,
+        pairs=T * K,
+        x_dev=X_DEV,
+        x_host=X_HOST,
+        x_bytes=X_BYTES,
+    )
     p.native.reserve(T * K)
     return p, d, call, rt, (keep, execs, maps, routing)
 
@@ -166,8 +201,10 @@ class Recorder:
         src = (SRC13 + 10**7 * layer, SRC2 + 10**7 * layer)
         dst = (STAGE13, STAGE2) if stage else (CACHE13 + 10**7 * layer, CACHE2 + 10**7 * layer)
         for s_base, d_base, z in zip(src, dst, (Z13, Z2), strict=True):
-            self.calls.extend(("copy", d_base + s * z, s_base + e * z, z, 1, COPY)
-                              for e, s in zip(experts, slots, strict=True))  # fmt: skip
+            self.calls.extend(
+                ("copy", d_base + s * z, s_base + e * z, z, 1, COPY)
+                for e, s in zip(experts, slots, strict=True)
+            )
 
     def copies_issued(self, layer) -> None:
         pass
@@ -177,8 +214,9 @@ class Recorder:
 
     def send_maps(self, layer, rows) -> None:
         at = layer * self.maps.shape[1] * E * 8
-        self.calls.append(("copy", MAPS_DEV + at, self.maps.ctypes.data + at, rows * E * 8, 1,
-                           COMPUTE))  # fmt: skip
+        self.calls.append(
+            ("copy", MAPS_DEV + at, self.maps.ctypes.data + at, rows * E * 8, 1, COMPUTE)
+        )
 
     def run_pass(self, row) -> None:
         self.calls.append(("graph", 100 * (row + 1), COMPUTE))  # setup's graph of row r
@@ -337,8 +375,10 @@ def test_batched_copies_carry_the_same_rows():
     assert batch and batch[0][1] == 2 * n
     first = rt.calls.index(batch[0])
     copies = rt.calls[first + 1 : first + 1 + 2 * n]
-    want = [(CACHE13 + s * Z13, SRC13 + e * Z13) for e, s in zip(plan.copy_experts,
-            plan.copy_slots, strict=True)]  # fmt: skip
+    want = [
+        (CACHE13 + s * Z13, SRC13 + e * Z13)
+        for e, s in zip(plan.copy_experts, plan.copy_slots, strict=True)
+    ]
     assert [(c[1], c[2]) for c in copies[:n]] == want
 
 
@@ -382,8 +422,10 @@ def test_encoded_copies_land_in_turns_and_decode_on_their_own_stream():
         assert run(p, d, call, routing, 0, ids, np.ones((T, K), np.float32)) == 1
         plan = p.native.unpack(0)
         experts, slots = plan.copy_experts, plan.copy_slots
-        staged = [len(plan.stage_experts[lo : lo + STAGE_CAPACITY])
-                  for lo in range(0, len(plan.stage_experts), STAGE_CAPACITY)]  # fmt: skip
+        staged = [
+            len(plan.stage_experts[lo : lo + STAGE_CAPACITY])
+            for lo in range(0, len(plan.stage_experts), STAGE_CAPACITY)
+        ]
         rounds = -(-len(experts) // LAND_ROWS)
         assert used[0] - taken == rounds + sum(-(-n // LAND_ROWS) for n in staged) > PARTS
         assert rounds > 1 or step > 0  # the second call: hits and staged rounds
@@ -407,9 +449,11 @@ def test_encoded_copies_land_in_turns_and_decode_on_their_own_stream():
                 for j, e in enumerate(experts[LAND_ROWS * r : LAND_ROWS * (r + 1)])
             ]
             assert rt.calls[at + 1 + 2 * k : at + 5 + 2 * k] == [
-                ("record", LANDED[part], COPY), ("wait", DECODER, LANDED[part]),
-                ("graph", EXECS[part], DECODER), ("record", DECODED[part], DECODER),
-            ]  # fmt: skip
+                ("record", LANDED[part], COPY),
+                ("wait", DECODER, LANDED[part]),
+                ("graph", EXECS[part], DECODER),
+                ("record", DECODED[part], DECODER),
+            ]
         waits = [c for c in rt.calls if c[0] == "wait" and c[1] == COMPUTE]
         assert waits and all(rt.stream_of[c[2]] == DECODER for c in waits)
         taken = int(used[0])
@@ -441,9 +485,12 @@ def test_a_drive_mirror_with_two_fields_swapped_is_refused_on_load(monkeypatch):
     monkeypatch.setattr(driver, "Drive", _swapped(Drive, 2, 3))
     driver._checked.cache_clear()
     try:
-        with pytest.raises(native.ContractError, match=r"drive.c and its ctypes mirror disagree "
-                           r"on Drive field 2: C has 'record' at offset 16 \(8 bytes\), the "
-                           r"mirror 'wait' at offset 16 \(8 bytes\)"):  # fmt: skip
+        with pytest.raises(
+            native.ContractError,
+            match=r"drive.c and its ctypes mirror disagree "
+            r"on Drive field 2: C has 'record' at offset 16 \(8 bytes\), the "
+            r"mirror 'wait' at offset 16 \(8 bytes\)",
+        ):
             driver.library()
     finally:
         monkeypatch.undo()
@@ -455,6 +502,8 @@ def test_a_counts_table_out_of_order_is_refused():
     wrong = {name: i for i, name in enumerate(COUNTS)} | {"hits": 1, "misses": 0}
     with pytest.raises(native.ContractError, match="on the counts: 'hits' is 0 in C, 1 in Python"):
         native.check(
-            driver.library(), "drive", {"Drive": Drive, "Call": Call},
+            driver.library(),
+            "drive",
+            {"Drive": Drive, "Call": Call},
             {"counts": wrong, "landing": {"parts": PARTS}},
-        )  # fmt: skip
+        )

@@ -165,10 +165,16 @@ def answers(rt) -> list[list[int]]:
 def offloaded(tiny_dir, transfer: str, compensation=None, **policies):
     policies.setdefault("retention", R.LRURetention())
     return build_runtime(
-        model=str(tiny_dir), device="cpu", dtype="bfloat16", cost="cpu-ci",
-        budget=Budget("expert_fraction", 0.25), compensation=compensation or C.TransferOnly(),
-        stage_capacity=2, transfer=transfer, **policies,
-    )  # fmt: skip
+        model=str(tiny_dir),
+        device="cpu",
+        dtype="bfloat16",
+        cost="cpu-ci",
+        budget=Budget("expert_fraction", 0.25),
+        compensation=compensation or C.TransferOnly(),
+        stage_capacity=2,
+        transfer=transfer,
+        **policies,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +201,13 @@ def test_oleds_policies_with_lossless_copies_give_the_resident_tokens(tiny_dir, 
     from the bf16 host tables beside the encoded copies): the resident tokens."""
     from oled.policies import allocation as A
 
-    rt = offloaded(tiny_dir, "lossless", C.CooperativeCompensation(),
-                   allocation=A.AdaptiveAllocation(), retention=R.ConfidenceRetention())  # fmt: skip
+    rt = offloaded(
+        tiny_dir,
+        "lossless",
+        C.CooperativeCompensation(),
+        allocation=A.AdaptiveAllocation(),
+        retention=R.ConfidenceRetention(),
+    )
     assert answers(rt) == resident
     assert rt.stats()["copies"] > 0 and rt.stats()["cpu_experts"] > 0
 
@@ -256,8 +267,13 @@ def test_the_decisions_price_a_copy_by_the_bytes_it_moves(tiny_dir, transfer):
 
 def test_a_transfer_needs_bfloat16_and_a_known_name(tiny_dir):
     with pytest.raises(ValueError, match="bfloat16"):
-        build_runtime(model=str(tiny_dir), device="cpu", dtype="float32",
-                      budget=Budget("expert_fraction", 0.25), transfer="lossless")  # fmt: skip
+        build_runtime(
+            model=str(tiny_dir),
+            device="cpu",
+            dtype="float32",
+            budget=Budget("expert_fraction", 0.25),
+            transfer="lossless",
+        )
     with pytest.raises(ValueError, match="unknown transfer"):
         build_runtime(model=str(tiny_dir), device="cpu", transfer="zip")
 
@@ -285,9 +301,24 @@ def test_the_quality_tool_measures_the_real_int4_codec(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Who wrote Hamlet?"}\n{"prompt": "What is love?"}\n')
     out = tmp_path / "quality.json"
-    tool.main(["--codecs", "lossless,int4", "--prompts", str(prompts), "--max-new-tokens", "16",
-               "--data", "corpus", "--corpus-draws", "2", "--engine-check", "1",
-               "--json", str(out)])  # fmt: skip
+    tool.main(
+        [
+            "--codecs",
+            "lossless,int4",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "16",
+            "--data",
+            "corpus",
+            "--corpus-draws",
+            "2",
+            "--engine-check",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     got = json.loads(out.read_text())["codecs"]
     assert got["lossless"]["bit_exact"] and got["lossless"]["delta_val_loss"] == 0
     int4 = got["int4"]

@@ -46,10 +46,16 @@ def reference(tiny_dir):
 
 def offloaded(tiny_dir, budget, retention, compensation, allocation=None, dtype="float32"):
     return build_runtime(
-        model=str(tiny_dir), device="cpu", dtype=dtype, budget=budget, cost="cpu-ci",
-        retention=retention, compensation=compensation, allocation=allocation or A.UniformAllocation(),
+        model=str(tiny_dir),
+        device="cpu",
+        dtype=dtype,
+        budget=budget,
+        cost="cpu-ci",
+        retention=retention,
+        compensation=compensation,
+        allocation=allocation or A.UniformAllocation(),
         stage_capacity=2,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -70,9 +76,12 @@ def test_every_policy_and_budget_gives_the_resident_tokens(
 
 def test_adaptive_allocation_replans_and_stays_exact(tiny_dir, reference):
     rt = offloaded(
-        tiny_dir, Budget("expert_fraction", 0.3), R.ConfidenceRetention(),
-        C.CooperativeCompensation(), allocation=A.AdaptiveAllocation(),
-    )  # fmt: skip
+        tiny_dir,
+        Budget("expert_fraction", 0.3),
+        R.ConfidenceRetention(),
+        C.CooperativeCompensation(),
+        allocation=A.AdaptiveAllocation(),
+    )
     assert answers(rt) == reference
     caps = rt.executor.planner.capacities
     assert sum(caps) <= round(0.3 * 3 * 32)
@@ -153,9 +162,12 @@ def test_memory_budget_counts_slots():
 
     cfg = mini_config()
     slots = total_slots(
-        Budget("gpu_memory", 24 * 2**30), cfg, dtype=torch.bfloat16, device=torch.device("cpu"),
+        Budget("gpu_memory", 24 * 2**30),
+        cfg,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
         scratch_experts=16,
-    )  # fmt: skip
+    )
     # 24 GiB minus 1.8 GiB of non-expert weights, KV cache and reserve: about 3,500 6-MiB slots
     assert 3300 < slots < 3700
     assert (
@@ -189,10 +201,17 @@ def test_copies_ahead_keep_the_resident_tokens(
     tiny_dir, reference_short_blocks, retention, compensation, budget
 ):
     rt = build_runtime(
-        model=str(tiny_dir), device="cpu", dtype="float32", budget=BUDGETS[budget], cost="cpu-ci",
-        retention=RETENTION[retention](), compensation=COMPENSATION[compensation](),
-        allocation=A.UniformAllocation(), stage_capacity=2, prefetch=4,
-    )  # fmt: skip
+        model=str(tiny_dir),
+        device="cpu",
+        dtype="float32",
+        budget=BUDGETS[budget],
+        cost="cpu-ci",
+        retention=RETENTION[retention](),
+        compensation=COMPENSATION[compensation](),
+        allocation=A.UniformAllocation(),
+        stage_capacity=2,
+        prefetch=4,
+    )
     assert answers_short(rt) == reference_short_blocks
     s = rt.stats()
     assert 0 <= s["predicted_hits"] <= s["predicted"] <= s["copies"]

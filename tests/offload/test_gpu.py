@@ -67,11 +67,17 @@ def test_gpu_only_policies_are_bit_exact(tiny_dir, reference, frac, graphs):
     it in several rounds (graphs too); none may fall back to the CPU.
     """
     rt = build_runtime(
-        model=str(tiny_dir), device="cuda", dtype="bfloat16", cost="h200",
-        budget=Budget("expert_fraction", frac), allocation=A.UniformAllocation(),
-        retention=R.LRURetention(), compensation=C.TransferOnly(), stage_capacity=4,
+        model=str(tiny_dir),
+        device="cuda",
+        dtype="bfloat16",
+        cost="h200",
+        budget=Budget("expert_fraction", frac),
+        allocation=A.UniformAllocation(),
+        retention=R.LRURetention(),
+        compensation=C.TransferOnly(),
+        stage_capacity=4,
         graphs=graphs,
-    )  # fmt: skip
+    )
     got = tokens(rt)
     s = rt.stats()
     assert s["cpu_experts"] == 0, "GPU-only policies fell back to CPU experts"
@@ -99,11 +105,17 @@ def test_launches_from_c_give_the_python_launches_tokens(tiny_dir, case):
     runs = {}
     for driver in (True, False):
         rt = build_runtime(
-            model=str(tiny_dir), device="cuda", dtype="bfloat16", cost="h200",
-            budget=Budget("expert_fraction", frac), retention=R.LRURetention(),
-            compensation=type(comp)(), stage_capacity=stage, driver=driver,
+            model=str(tiny_dir),
+            device="cuda",
+            dtype="bfloat16",
+            cost="h200",
+            budget=Budget("expert_fraction", frac),
+            retention=R.LRURetention(),
+            compensation=type(comp)(),
+            stage_capacity=stage,
+            driver=driver,
             allocation=A.AdaptiveAllocation(min_shift=0) if adaptive else A.UniformAllocation(),
-        )  # fmt: skip
+        )
         runs[driver] = (tokens(rt), rt.stats(), rt.executor)
     (got, s, engine), (want, s_py, _) = runs[True], runs[False]
     assert got == want
@@ -121,10 +133,15 @@ def test_launches_from_c_give_the_python_launches_tokens(tiny_dir, case):
 def test_graphed_adaptive_allocation_is_bit_exact(tiny_dir, reference):
     """Re-sized slot tables drop their layer's graphs; the tokens stay the resident ones."""
     rt = build_runtime(
-        model=str(tiny_dir), device="cuda", dtype="bfloat16", cost="h200",
-        budget=Budget("expert_fraction", 0.25), allocation=A.AdaptiveAllocation(min_shift=0),
-        retention=R.LRURetention(), compensation=C.TransferOnly(),
-    )  # fmt: skip
+        model=str(tiny_dir),
+        device="cuda",
+        dtype="bfloat16",
+        cost="h200",
+        budget=Budget("expert_fraction", 0.25),
+        allocation=A.AdaptiveAllocation(min_shift=0),
+        retention=R.LRURetention(),
+        compensation=C.TransferOnly(),
+    )
     assert tokens(rt) == reference
     assert rt.forward.replays > 0
 
@@ -143,9 +160,14 @@ def test_copies_ahead_are_bit_exact(tiny_dir, graphs):
     kw = dict(model=str(tiny_dir), device="cuda", dtype="bfloat16")
     reference = short_blocks(load_runtime(**kw, graphs=False))
     rt = build_runtime(
-        **kw, cost="h200", budget=Budget("expert_fraction", 0.25), retention=R.LRURetention(),
-        compensation=C.TransferOnly(), prefetch=4, graphs=graphs,
-    )  # fmt: skip
+        **kw,
+        cost="h200",
+        budget=Budget("expert_fraction", 0.25),
+        retention=R.LRURetention(),
+        compensation=C.TransferOnly(),
+        prefetch=4,
+        graphs=graphs,
+    )
     assert short_blocks(rt) == reference
     s = rt.stats()
     assert 0 < s["predicted_hits"] <= s["predicted"] <= s["copies"]
@@ -158,9 +180,12 @@ def test_cpu_experts_stay_within_tolerance(tiny_dir):
     kw = dict(model=str(tiny_dir), device="cuda", dtype="bfloat16")
     ref = load_runtime(**kw)
     rt = build_runtime(
-        **kw, cost="h200", budget=Budget("expert_fraction", 0.25),
-        retention=R.LRURetention(), compensation=C.CpuOnly(),
-    )  # fmt: skip
+        **kw,
+        cost="h200",
+        budget=Budget("expert_fraction", 0.25),
+        retention=R.LRURetention(),
+        compensation=C.CpuOnly(),
+    )
     x = torch.randint(0, 700, (1, 64), device="cuda")
     with torch.inference_mode():
         a = ref.model(x, block_length=32)
@@ -215,10 +240,16 @@ def test_encoded_transfers_on_the_device(tiny_dir, reference, transfer, budget):
 
     def run(name):
         rt = build_runtime(
-            model=str(tiny_dir), device="cuda", dtype="bfloat16", cost="h200",
-            budget=Budget("expert_fraction", budget), retention=R.LRURetention(),
-            compensation=C.TransferOnly(), stage_capacity=2, transfer=name,
-        )  # fmt: skip
+            model=str(tiny_dir),
+            device="cuda",
+            dtype="bfloat16",
+            cost="h200",
+            budget=Budget("expert_fraction", budget),
+            retention=R.LRURetention(),
+            compensation=C.TransferOnly(),
+            stage_capacity=2,
+            transfer=name,
+        )
         return rt, tokens(rt), rt.stats()
 
     plain, plain_tokens, a = run("plain")

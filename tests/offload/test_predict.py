@@ -60,10 +60,15 @@ def test_recorded_routing_predicts_the_next_layer_exactly(tiny_dir):
         record(resident, [prompt], decode=replace(resident.decode, **kw), follow=trajectory)
     )
     rt = build_runtime(
-        model=str(tiny_dir), device="cpu", dtype="float32", cost="cpu-ci",
-        budget=Budget("expert_fraction", 0.25), retention=R.LRURetention(),
-        compensation=C.TransferOnly(), prefetch=8,
-    )  # fmt: skip
+        model=str(tiny_dir),
+        device="cpu",
+        dtype="float32",
+        cost="cpu-ci",
+        budget=Budget("expert_fraction", 0.25),
+        retention=R.LRURetention(),
+        compensation=C.TransferOnly(),
+        prefetch=8,
+    )
     rt.executor.predict = oracle
     rt.observers.append(oracle)
     got = rt.generate("Once upon a time", follow=trajectory, **kw).token_ids

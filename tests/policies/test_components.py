@@ -40,9 +40,16 @@ COST = CostModel.profile("h200")
 
 def planner(ret, comp, *, experts=16, slots=4, layers=1) -> Planner:
     return Planner.for_model(
-        layers, experts, 1, slots, stage_capacity=0, cost=COST, allocation=UniformAllocation(),
-        retention=ret, compensation=comp,
-    )  # fmt: skip
+        layers,
+        experts,
+        1,
+        slots,
+        stage_capacity=0,
+        cost=COST,
+        allocation=UniformAllocation(),
+        retention=ret,
+        compensation=comp,
+    )
 
 
 def col(*experts: int) -> np.ndarray:
@@ -133,10 +140,12 @@ def test_confidence_retention_prefers_low_confidence_masked() -> None:
     ids = col(0, 1)  # token 0 -> expert 0 (masked, low conf), token 1 -> expert 1 (committed)
     p.plan(0, ids, ones(ids))
     ctx = StepContext(
-        block=0, iteration=0, step=0,
+        block=0,
+        iteration=0,
+        step=0,
         token_state=np.array([TOKEN_MASKED, TOKEN_COMMITTED], np.int8),
         confidence=np.array([0.1, 0.99], np.float32),
-    )  # fmt: skip
+    )
     p.observe(0, ids, ones(ids), ctx)
     plan = p.plan(0, col(2), ones(col(2)))
     assert plan.evicted.tolist() == [1]
@@ -198,9 +207,13 @@ def test_cooperative_learns_measured_cpu_cost() -> None:
 
 def test_makespan_balances_queues() -> None:
     out = MakespanCompensation().decide(
-        layer=0, experts=np.arange(10), tokens=np.full(10, 4), reuse=np.zeros(10),
-        load=Load(), cost=COST,
-    )  # fmt: skip
+        layer=0,
+        experts=np.arange(10),
+        tokens=np.full(10, 4),
+        reuse=np.zeros(10),
+        load=Load(),
+        cost=COST,
+    )
     assert 0 < out.sum() < 10
 
 
@@ -292,10 +305,13 @@ def test_constructors_are_registry_friendly(module) -> None:
 
     bases = (AllocationPolicy, RetentionPolicy, CompensationPolicy)
     classes = [
-        c for _, c in inspect.getmembers(module, inspect.isclass)
-        if issubclass(c, bases) and c not in bases and not c.__name__.startswith("_")
+        c
+        for _, c in inspect.getmembers(module, inspect.isclass)
+        if issubclass(c, bases)
+        and c not in bases
+        and not c.__name__.startswith("_")
         and c.__module__ == module.__name__
-    ]  # fmt: skip
+    ]
     assert classes
     for cls in classes:
         assert cls.__doc__ and cls.__doc__.strip().splitlines()[0]
@@ -309,9 +325,7 @@ def test_constructors_are_registry_friendly(module) -> None:
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    levels=st.integers(1, 5), n=st.integers(0, 70), seed=st.integers(0, 10_000)
-)  # fmt: skip
+@given(levels=st.integers(1, 5), n=st.integers(0, 70), seed=st.integers(0, 10_000))
 def test_lowest_breaks_ties_by_expert_id_whatever_the_candidate_order(levels, n, seed) -> None:
     """Victims are the n candidates of lowest (priority, id), in that order: with few distinct
     priorities most choices are ties, and a partition would settle them by its own order."""

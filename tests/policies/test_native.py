@@ -49,10 +49,18 @@ def planner(ret: str, comp: str, setup: tuple, *, compiled: bool) -> Planner:
     slots, stage, adaptive, ahead = setup
     alloc = AdaptiveAllocation(min_shift=0.0) if adaptive else UniformAllocation()
     return Planner.for_model(
-        L, E, K, slots, stage_capacity=stage, cost=CostModel.profile("h200"), allocation=alloc,
-        retention=RETENTIONS[ret](), compensation=COMPENSATIONS[comp](), prefetch_limit=ahead,
+        L,
+        E,
+        K,
+        slots,
+        stage_capacity=stage,
+        cost=CostModel.profile("h200"),
+        allocation=alloc,
+        retention=RETENTIONS[ret](),
+        compensation=COMPENSATIONS[comp](),
+        prefetch_limit=ahead,
         compiled=compiled,
-    )  # fmt: skip
+    )
 
 
 def routing(rng: np.random.Generator, hot: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
@@ -155,10 +163,17 @@ class _Own(R.LRURetention):
 def test_policies_of_ones_own_plan_in_python() -> None:
     def make(compiled):
         return Planner.for_model(
-            L, E, K, 16, stage_capacity=2, cost=CostModel.profile("h200"),
-            allocation=UniformAllocation(), retention=_Own(), compensation=C.TransferOnly(),
+            L,
+            E,
+            K,
+            16,
+            stage_capacity=2,
+            cost=CostModel.profile("h200"),
+            allocation=UniformAllocation(),
+            retention=_Own(),
+            compensation=C.TransferOnly(),
             compiled=compiled,
-        )  # fmt: skip
+        )
 
     assert not make(None).compiled
     with pytest.raises(native.NativeUnavailable, match="_Own has no compiled version"):
@@ -200,32 +215,48 @@ def test_the_plan_contract_holds_and_names_every_field() -> None:
 
 
 def test_a_bind_mirror_with_two_fields_swapped_is_refused() -> None:
-    with pytest.raises(native.ContractError, match=r"plan.c and its ctypes mirror disagree on "
-                       r"Bind field 4: C has 'slot_of' at offset 32 \(8 bytes\), the mirror "
-                       r"'expert_in' at offset 32 \(8 bytes\)"):  # fmt: skip
-        native.check(native.library(), "plan", {"Bind": _swapped(native.Bind, 4, 5)},
-                     native.plan_tables())  # fmt: skip
+    with pytest.raises(
+        native.ContractError,
+        match=r"plan.c and its ctypes mirror disagree on "
+        r"Bind field 4: C has 'slot_of' at offset 32 \(8 bytes\), the mirror "
+        r"'expert_in' at offset 32 \(8 bytes\)",
+    ):
+        native.check(
+            native.library(), "plan", {"Bind": _swapped(native.Bind, 4, 5)}, native.plan_tables()
+        )
 
 
 def test_a_bind_mirror_with_a_narrower_field_is_refused() -> None:
     fields = [(f, ctypes.c_int32 if f == "ret_flag" else t) for f, t in native.Bind._fields_]
     narrow = type("Narrow", (ctypes.Structure,), {"_fields_": fields})
-    with pytest.raises(native.ContractError, match=r"Bind field 13: C has 'ret_flag' at offset "
-                       r"104 \(8 bytes\), the mirror 'ret_flag' at offset 104 \(4 bytes\)"):  # fmt: skip
+    with pytest.raises(
+        native.ContractError,
+        match=r"Bind field 13: C has 'ret_flag' at offset "
+        r"104 \(8 bytes\), the mirror 'ret_flag' at offset 104 \(4 bytes\)",
+    ):
         native.check(native.library(), "plan", {"Bind": narrow}, native.plan_tables())
 
 
 @pytest.mark.parametrize(
     ("name", "patch", "message"),
     [
-        ("RETENTION", {**native.RETENTION, R.LFURetention: 3},
-         "on the retention kinds: 'LFURetention' is 2 in C, 3 in Python"),
-        ("COMPENSATION", {k: v for k, v in native.COMPENSATION.items() if k is not C.StaticHot},
-         "on the compensation kinds: 'StaticHot' is 7 in C, missing in Python"),
-        ("REGIONS", ("misses", "hits", *native.REGIONS[2:]),
-         "on the regions: 'hits' is 0 in C, 1 in Python"),
+        (
+            "RETENTION",
+            {**native.RETENTION, R.LFURetention: 3},
+            "on the retention kinds: 'LFURetention' is 2 in C, 3 in Python",
+        ),
+        (
+            "COMPENSATION",
+            {k: v for k, v in native.COMPENSATION.items() if k is not C.StaticHot},
+            "on the compensation kinds: 'StaticHot' is 7 in C, missing in Python",
+        ),
+        (
+            "REGIONS",
+            ("misses", "hits", *native.REGIONS[2:]),
+            "on the regions: 'hits' is 0 in C, 1 in Python",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_wrong_table_is_refused_on_load(monkeypatch, name, patch, message) -> None:
     """The library is not loaded (so no plan runs compiled) while a table disagrees, and no
     planner mode hides that by planning in Python."""
@@ -243,7 +274,10 @@ def test_a_wrong_table_is_refused_on_load(monkeypatch, name, patch, message) -> 
 
 
 def test_structs_and_tables_left_unchecked_are_refused() -> None:
-    with pytest.raises(native.ContractError, match=r"name different structs and tables: "
-                       r"\['Bind', 'counters'"):  # fmt: skip
+    with pytest.raises(
+        native.ContractError,
+        match=r"name different structs and tables: "
+        r"\['Bind', 'counters'",
+    ):
         tables = {k: v for k, v in native.plan_tables().items() if k != "counters"}
         native.check(native.library(), "plan", {}, tables)

@@ -29,9 +29,15 @@ from oled.policies.retention import (
 
 RETENTIONS = [ConfidenceRetention, LRURetention, LFURetention, ScoreEMARetention]
 COMPENSATIONS = [
-    CooperativeCompensation, MakespanCompensation, BatchThreshold, TransferOnly, CpuOnly,
-    IntervalRefresh, StaticHot, Resident,
-]  # fmt: skip
+    CooperativeCompensation,
+    MakespanCompensation,
+    BatchThreshold,
+    TransferOnly,
+    CpuOnly,
+    IntervalRefresh,
+    StaticHot,
+    Resident,
+]
 COST = CostModel.profile("h200")
 
 
@@ -48,19 +54,28 @@ def make(
     prefetch=0,
 ) -> Planner:
     return Planner.for_model(
-        layers, experts, k, slots, stage_capacity=stage, cost=COST,
-        allocation=alloc or UniformAllocation(), retention=ret(), compensation=comp(),
+        layers,
+        experts,
+        k,
+        slots,
+        stage_capacity=stage,
+        cost=COST,
+        allocation=alloc or UniformAllocation(),
+        retention=ret(),
+        compensation=comp(),
         prefetch_limit=prefetch,
-    )  # fmt: skip
+    )
 
 
 def ctx_for(t: int, step: int, block: int = 0, seed: int = 0) -> StepContext:
     rng = np.random.default_rng(seed + step)
     return StepContext(
-        block=block, iteration=step, step=step,
+        block=block,
+        iteration=step,
+        step=step,
         token_state=rng.integers(0, 3, t).astype(np.int8),
         confidence=rng.random(t).astype(np.float32),
-    )  # fmt: skip
+    )
 
 
 def check_plan(planner: Planner, plan, ids: np.ndarray, before: np.ndarray) -> None:
@@ -189,9 +204,12 @@ def test_plan_marks_masked_observation() -> None:
     ids = np.array([[0, 1]])
     planner.plan(0, ids, np.ones((1, 2), np.float32))
     ctx = StepContext(
-        block=0, iteration=0, step=0, token_state=np.array([TOKEN_MASKED], np.int8),
+        block=0,
+        iteration=0,
+        step=0,
+        token_state=np.array([TOKEN_MASKED], np.int8),
         confidence=np.array([0.1], np.float32),
-    )  # fmt: skip
+    )
     planner.observe(0, ids, np.ones((1, 2), np.float32), ctx)
     assert planner.step == 1
 

@@ -60,8 +60,11 @@ def cli_server(log_path: Path, *args: str) -> Iterator[tuple[str, subprocess.Pop
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_for(lambda: proc.poll() is not None or httpx.get(f"{url}/health").is_success,
-                     60, "the server did not become healthy")  # fmt: skip
+            wait_for(
+                lambda: proc.poll() is not None or httpx.get(f"{url}/health").is_success,
+                60,
+                "the server did not become healthy",
+            )
             assert proc.poll() is None, log_path.read_text()
             yield url, proc
         finally:
@@ -99,8 +102,9 @@ def tiny_loader(path: Path, gate: threading.Event | None = None):
 def served(tiny_dir) -> Iterator[tuple[str, Engine]]:
     """One server for the session: the tiny model, bearer key required; (URL, engine)."""
     engine = Engine(tiny_loader(tiny_dir))
-    app = create_app(engine, model_name=MODEL, default_max_tokens=8, max_tokens=4000,
-                     api_key=API_KEY)  # fmt: skip
+    app = create_app(
+        engine, model_name=MODEL, default_max_tokens=8, max_tokens=4000, api_key=API_KEY
+    )
     with running_server(app) as url:
         yield url, engine
 

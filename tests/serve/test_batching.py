@@ -36,8 +36,13 @@ class Ask:
 
     def send(self, client: openai.OpenAI) -> tuple[str, str, int | None]:
         """(text, finish reason, completion tokens or None when streamed)."""
-        args = {"model": MODEL, "max_tokens": self.max_tokens, "stream": self.stream,
-                "stop": self.stop, "extra_body": self.extra or None}  # fmt: skip
+        args = {
+            "model": MODEL,
+            "max_tokens": self.max_tokens,
+            "stream": self.stream,
+            "stop": self.stop,
+            "extra_body": self.extra or None,
+        }
         if isinstance(self.prompt, str):
             out = client.completions.create(prompt=self.prompt, **args)
             if self.stream:
@@ -159,8 +164,13 @@ def shared_forwards(engine: Engine) -> float:
 
 def first_piece(client: openai.OpenAI, ask: Ask, began: threading.Event, out: list) -> None:
     """Stream `ask`, set `began` at its first text, collect the text in `out`."""
-    chunks = client.completions.create(model=MODEL, prompt=ask.prompt, max_tokens=ask.max_tokens,
-                                       stream=True, extra_body=ask.extra or None)  # fmt: skip
+    chunks = client.completions.create(
+        model=MODEL,
+        prompt=ask.prompt,
+        max_tokens=ask.max_tokens,
+        stream=True,
+        extra_body=ask.extra or None,
+    )
     for c in chunks:
         if c.choices and c.choices[0].text:
             out.append(c.choices[0].text)
@@ -171,14 +181,16 @@ def first_piece(client: openai.OpenAI, ask: Ask, began: threading.Event, out: li
 HELLO = [{"role": "user", "content": "Hello"}]
 ASKS = [
     Ask(HELLO, 64, stream=True),
-    Ask([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who are you?"}],
-        100),
+    Ask(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who are you?"}],
+        100,
+    ),
     Ask("First Citizen:\nBefore we proceed any further, hear me speak.", 48),
     Ask("KING HENRY:\nNow", 64, stream=True, stop=["\n\n"]),
     Ask([{"role": "user", "content": "Tell me about the king."}], 20, stream=True),
     Ask("JULIET: " * 30, 40),
     Ask("ROMEO:", 48, stream=True, extra={"threshold": 0.5}),
-]  # fmt: skip
+]
 LONG = Ask("ROMEO:", 128, stream=True, extra={"threshold": 1.0})  # a token per forward
 
 
@@ -214,8 +226,11 @@ def test_concurrent_answers_equal_single_answers(batched, reference):
 
 def test_another_block_length_waits_for_the_batch(batched, reference):
     client, engine = batched
-    asks = [replace(LONG, max_tokens=64), Ask(HELLO, 24, extra={"block_length": 8}),
-            Ask("ROMEO:", 24)]  # fmt: skip
+    asks = [
+        replace(LONG, max_tokens=64),
+        Ask(HELLO, 24, extra={"block_length": 8}),
+        Ask("ROMEO:", 24),
+    ]
     expected = [alone(reference, ask) for ask in asks]
     requests = Requests(client)
     for i, ask in enumerate(asks):
@@ -237,8 +252,9 @@ def test_a_client_that_leaves_frees_its_slot(reference):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", timeout=WAIT_S, max_retries=0)
         left = cancelled(engine)
         requests = Requests(client)
-        stream = client.completions.create(model=MODEL, prompt=a.prompt, max_tokens=a.max_tokens,
-                                           stream=True, extra_body=a.extra)  # fmt: skip
+        stream = client.completions.create(
+            model=MODEL, prompt=a.prompt, max_tokens=a.max_tokens, stream=True, extra_body=a.extra
+        )
         chunks = iter(stream)
         next(chunks), next(chunks)  # A decodes
         requests.start(0, b)
@@ -255,8 +271,9 @@ def test_a_client_that_leaves_frees_its_slot(reference):
         assert wait(lambda: metric(engine, "oled_batch_requests") == 0), "the batch is not empty"
 
 
-def test_a_failed_forward_fails_the_batch_and_the_next_requests_decode(batched, reference,
-                                                                        monkeypatch):  # fmt: skip
+def test_a_failed_forward_fails_the_batch_and_the_next_requests_decode(
+    batched, reference, monkeypatch
+):
     client, engine = batched
     real = BatchDecoder.step
 
@@ -280,13 +297,19 @@ def test_a_failed_forward_fails_the_batch_and_the_next_requests_decode(batched, 
 def test_offload_counters_count_a_shared_forward_once():
     """The offload engine's figures are the batch's totals; /metrics counts each copy once,
     however many requests the batch served."""
-    engine = Engine(lambda: build_runtime(device="cpu", dtype="float32",
-                                          budget=Budget("expert_fraction", 0.25)))  # fmt: skip
+    engine = Engine(
+        lambda: build_runtime(device="cpu", dtype="float32", budget=Budget("expert_fraction", 0.25))
+    )
     app = create_app(engine, model_name=MODEL, max_tokens=4000)
     with running_server(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", timeout=WAIT_S, max_retries=0)
-        stream = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=3000,
-                                           stream=True, extra_body={"threshold": 1.0})  # fmt: skip
+        stream = client.completions.create(
+            model=MODEL,
+            prompt="ROMEO:",
+            max_tokens=3000,
+            stream=True,
+            extra_body={"threshold": 1.0},
+        )
         next(iter(stream))  # it decodes until its client leaves: one run of the batch
         requests = Requests(client)
         for i, ask in enumerate([Ask(HELLO, 16), Ask("ROMEO:", 16, stream=True)]):

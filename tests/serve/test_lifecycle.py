@@ -21,15 +21,25 @@ from oled.serve.engine import Engine
 
 MODEL = "tiny"
 STREAMS = 4
-LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything"}],
-        "max_tokens": 3000, "threshold": 1.0, "block_length": 8}  # fmt: skip
+LONG = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell me everything"}],
+    "max_tokens": 3000,
+    "threshold": 1.0,
+    "block_length": 8,
+}
 
 
 def oled(*args: str) -> subprocess.CompletedProcess:
     """`oled ARGS` in a child process that sees no CUDA device."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, "-m", "oled.cli", *args], env=env, timeout=60,
-                          capture_output=True, text=True)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "oled.cli", *args],
+        env=env,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_serve_on_a_missing_cuda_device_fails_like_generate(tiny_dir, unused_port):
@@ -56,8 +66,16 @@ def read_stream(url: str, lines: list[str]) -> None:
 
 def test_sigterm_ends_every_open_stream_well_formed(tiny_dir, tmp_path, start_cli, until):
     log = tmp_path / "serve.log"
-    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", MODEL,
-            "--max-batch", "1"]  # fmt: skip
+    args = [
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--served-model-name",
+        MODEL,
+        "--max-batch",
+        "1",
+    ]
     with start_cli(log, *args) as (url, proc):
         streams: list[list[str]] = [[] for _ in range(STREAMS)]
         threads = [threading.Thread(target=read_stream, args=(url, s)) for s in streams]
@@ -93,9 +111,12 @@ def test_stopping_the_server_answers_every_open_request(tiny_dir, loader, start_
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
         try:
             chunks = client.chat.completions.create(
-                model=MODEL, messages=LONG["messages"], max_tokens=LONG["max_tokens"],
-                extra_body={"threshold": 1.0, "block_length": 8}, stream=True,
-            )  # fmt: skip
+                model=MODEL,
+                messages=LONG["messages"],
+                max_tokens=LONG["max_tokens"],
+                extra_body={"threshold": 1.0, "block_length": 8},
+                stream=True,
+            )
             for _ in chunks:
                 began.set()
         except openai.APIError as err:
@@ -105,20 +126,30 @@ def test_stopping_the_server_answers_every_open_request(tiny_dir, loader, start_
 
     began = threading.Event()
     with start_server(app) as url:
-        threads = [threading.Thread(target=stream, args=(url,)),
-                   threading.Thread(target=lambda: answers.append(
-                       httpx.post(f"{url}/v1/chat/completions", json=LONG, timeout=60)))]  # fmt: skip
+        threads = [
+            threading.Thread(target=stream, args=(url,)),
+            threading.Thread(
+                target=lambda: answers.append(
+                    httpx.post(f"{url}/v1/chat/completions", json=LONG, timeout=60)
+                )
+            ),
+        ]
         threads[0].start()
         assert began.wait(60)
         threads[1].start()
-        until(lambda: re.search(r"^oled_queue_depth 1\.0$", httpx.get(f"{url}/metrics").text,
-                                re.M), 30, "the second request was not queued")  # fmt: skip
+        until(
+            lambda: re.search(r"^oled_queue_depth 1\.0$", httpx.get(f"{url}/metrics").text, re.M),
+            30,
+            "the second request was not queued",
+        )
     for thread in threads:
         thread.join(30)
     [err] = raised
     assert not isinstance(err, openai.APIConnectionError) and err.code == "server_shutting_down"
     [answer] = answers
     assert answer.status_code == 503 and answer.json()["error"] == {
-        "message": "the server is shutting down", "type": "service_unavailable", "param": None,
+        "message": "the server is shutting down",
+        "type": "service_unavailable",
+        "param": None,
         "code": "server_shutting_down",
-    }  # fmt: skip
+    }

@@ -12,13 +12,20 @@ from oled.serve.engine import Engine
 
 MODEL = "tiny-test"
 FAMILIES = {
-    "oled_http_requests": "counter", "oled_generations": "counter",
-    "oled_prompt_tokens": "counter", "oled_completion_tokens": "counter",
-    "oled_forwards": "counter", "oled_decode_seconds": "counter",
-    "oled_client_disconnects": "counter", "oled_request_latency_seconds": "histogram",
-    "oled_model_load_seconds": "gauge", "oled_model_ready": "gauge", "oled_queue_depth": "gauge",
-    "oled_batch_size": "histogram", "oled_batch_requests": "gauge",
-}  # fmt: skip
+    "oled_http_requests": "counter",
+    "oled_generations": "counter",
+    "oled_prompt_tokens": "counter",
+    "oled_completion_tokens": "counter",
+    "oled_forwards": "counter",
+    "oled_decode_seconds": "counter",
+    "oled_client_disconnects": "counter",
+    "oled_request_latency_seconds": "histogram",
+    "oled_model_load_seconds": "gauge",
+    "oled_model_ready": "gauge",
+    "oled_queue_depth": "gauge",
+    "oled_batch_size": "histogram",
+    "oled_batch_requests": "gauge",
+}
 
 
 def scrape(url: str) -> str:

@@ -23,8 +23,10 @@ def test_retrieving_an_unknown_model_is_a_404(client, server_url):
             client.models.retrieve(name)
         assert err.value.body == {
             "message": f"the model {name!r} does not exist; this server has {MODEL!r}",
-            "type": "invalid_request_error", "param": "model", "code": "model_not_found",
-        }  # fmt: skip
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
     anonymous = openai.OpenAI(base_url=f"{server_url}/v1", api_key="-", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         anonymous.models.retrieve(MODEL)
@@ -47,9 +49,12 @@ def test_chat_stream_matches_whole_answer(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=12, stream=True,
+        model=MODEL,
+        messages=messages,
+        max_tokens=12,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -73,9 +78,12 @@ def test_completions(client):
     whole = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 8
     parts = client.completions.create(
-        model=MODEL, prompt="Once upon", max_tokens=8, stream=True,
+        model=MODEL,
+        prompt="Once upon",
+        max_tokens=8,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(parts)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
@@ -97,9 +105,12 @@ def test_stop_string_and_llada_extras(client):
     assert len(text) > 2
     stop = text[1:3]
     cut = client.completions.create(
-        model=MODEL, prompt="Hi", max_tokens=16, stop=[stop],
+        model=MODEL,
+        prompt="Hi",
+        max_tokens=16,
+        stop=[stop],
         extra_body={"block_length": 4, "threshold": 0.5},
-    )  # fmt: skip
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.find(stop)]
 
@@ -111,9 +122,11 @@ def test_concurrent_clients(client):
     def ask(i: int) -> None:
         try:
             out = client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "Same"}], max_tokens=6,
+                model=MODEL,
+                messages=[{"role": "user", "content": "Same"}],
+                max_tokens=6,
                 stream=bool(i % 2),
-            )  # fmt: skip
+            )
             if i % 2:
                 results[i] = "".join(c.choices[0].delta.content or "" for c in out if c.choices)
             else:

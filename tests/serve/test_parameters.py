@@ -24,10 +24,18 @@ REFUSED = [  # (route, extra body fields, param, code)
     (CHAT, {"presence_penalty": -3}, "presence_penalty", "invalid_value"),
     (CHAT, {"logit_bias": {"5": 10}}, "logit_bias", "unsupported_parameter"),
     (CHAT, {"logit_bias": {"5": 101}}, "logit_bias.5", "invalid_value"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format",
-     "unsupported_parameter"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "unsupported_parameter"),
+    (
+        CHAT,
+        {"response_format": {"type": "json_object"}},
+        "response_format",
+        "unsupported_parameter",
+    ),
+    (
+        CHAT,
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tools",
+        "unsupported_parameter",
+    ),
     (CHAT, {"tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
     (CHAT, {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_parameter"),
     (CHAT, {"store": True}, "store", "unsupported_parameter"),
@@ -38,14 +46,27 @@ REFUSED = [  # (route, extra body fields, param, code)
     (COMPLETIONS, {"best_of": 2}, "best_of", "unsupported_parameter"),
     (COMPLETIONS, {"suffix": "The end."}, "suffix", "unsupported_parameter"),
     (COMPLETIONS, {"top_logprobs": 2}, "top_logprobs", "unknown_parameter"),
-]  # fmt: skip
+]
 NEUTRAL = {  # values that ask for nothing the server lacks
-    "top_p": 1, "n": 1, "logprobs": False, "top_logprobs": None, "frequency_penalty": 0,
-    "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
-    "tool_choice": "none", "tools": [], "parallel_tool_calls": False, "store": False,
-    "modalities": ["text"], "service_tier": "auto", "user": "u-1", "metadata": {"k": "v"},
-    "prompt_cache_key": "k", "safety_identifier": "s",
-}  # fmt: skip
+    "top_p": 1,
+    "n": 1,
+    "logprobs": False,
+    "top_logprobs": None,
+    "frequency_penalty": 0,
+    "presence_penalty": 0.0,
+    "logit_bias": {},
+    "response_format": {"type": "text"},
+    "tool_choice": "none",
+    "tools": [],
+    "parallel_tool_calls": False,
+    "store": False,
+    "modalities": ["text"],
+    "service_tier": "auto",
+    "user": "u-1",
+    "metadata": {"k": "v"},
+    "prompt_cache_key": "k",
+    "safety_identifier": "s",
+}
 
 
 def request(route: str, **fields) -> dict:
@@ -93,14 +114,20 @@ def test_usage_counts_the_tokens_of_the_returned_text(client):
     assert cut.choices[0].finish_reason == "stop" and returned == text[: text.find(stop)]
     prefixes = [
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=n, extra_body=extra)
-        .choices[0].text
+        .choices[0]
+        .text
         for n in range(1, 17)
-    ]  # fmt: skip
+    ]
     tokens = next(n for n, t in enumerate(prefixes, 1) if t.startswith(returned)) if returned else 0
     assert cut.usage.completion_tokens == tokens
     assert cut.usage.completion_tokens < cut.model_extra["oled"]["tokens"]  # decoded past it
     stream = client.completions.create(
-        model=MODEL, prompt="Hi", max_tokens=16, stop=[stop], extra_body=extra, stream=True,
+        model=MODEL,
+        prompt="Hi",
+        max_tokens=16,
+        stop=[stop],
+        extra_body=extra,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     assert list(stream)[-1].usage.completion_tokens == cut.usage.completion_tokens

@@ -53,9 +53,13 @@ def test_health_is_503_while_loading(tiny_dir, start_server, loader, until):
 def test_client_disconnect_cancels_generation(http, until):
     before = metric(http, 'oled_generations_total{finish_reason="cancelled"}')
     body = {
-        "model": MODEL, "messages": [{"role": "user", "content": "Tell me everything"}],
-        "max_tokens": 3000, "threshold": 1.0, "block_length": 8, "stream": True,
-    }  # fmt: skip
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me everything"}],
+        "max_tokens": 3000,
+        "threshold": 1.0,
+        "block_length": 8,
+        "stream": True,
+    }
     with http.stream("POST", CHAT, json=body) as resp:
         assert resp.status_code == 200
         seen = 0
@@ -66,8 +70,9 @@ def test_client_disconnect_cancels_generation(http, until):
     started = time.monotonic()
     until(
         lambda: metric(http, 'oled_generations_total{finish_reason="cancelled"}') > before,
-        20, "the generation was not cancelled",
-    )  # fmt: skip
+        20,
+        "the generation was not cancelled",
+    )
     assert time.monotonic() - started < 20
     assert metric(http, "oled_client_disconnects_total") >= 1
     assert http.get("/health").status_code == 200
@@ -87,9 +92,12 @@ def test_failure_mid_stream_is_an_sse_error(client, http, monkeypatch):
 
     monkeypatch.setattr(BatchDecoder, "step", broken)
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=40, stream=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=40,
+        stream=True,
         extra_body={"block_length": 4},
-    )  # fmt: skip
+    )
     with pytest.raises(openai.APIError, match="device lost"):
         for _ in stream:
             pass
@@ -103,8 +111,11 @@ def test_errors_have_the_openai_shape(http):
     assert_error(http.post(CHAT, content=b"{", headers={"Content-Type": "application/json"}), 400)
     assert_error(http.post(CHAT, content=b'{"model": "x"}', headers={"Content-Type": "text/plain"}))
     assert_error(httpx.get(str(http.base_url.join("/v1/models"))), 401)
-    long = {"model": MODEL, "messages": [{"role": "user", "content": "x " * 3000}],
-            "max_tokens": 3000}  # fmt: skip
+    long = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x " * 3000}],
+        "max_tokens": 3000,
+    }
     assert assert_error(http.post(CHAT, json=long), 400)["code"] == "context_length_exceeded"
     assert http.get("/health").status_code == 200
 
@@ -115,18 +126,26 @@ def local_port(resp: httpx.Response) -> int:
 
 
 def answered_on_the_same_connection(http: httpx.Client, port: int) -> bool:
-    after = http.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "ab"}],
-                                  "max_tokens": 2})  # fmt: skip
+    after = http.post(
+        CHAT,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "ab"}], "max_tokens": 2},
+    )
     return after.status_code == 200 and local_port(after) == port
 
 
-@pytest.mark.parametrize(("route", "body", "param"), [
-    (CHAT, '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
-    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
-     "messages.0.content.0.text"),
-    ("/v1/completions", '{"prompt": "a\\ud800b"}', "prompt"),
-    ("/v1/completions", '{"prompt": "ab", "stop": ["x", "\\udc80"]}', "stop.1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        (CHAT, '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
+        (
+            CHAT,
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+            "messages.0.content.0.text",
+        ),
+        ("/v1/completions", '{"prompt": "a\\ud800b"}', "prompt"),
+        ("/v1/completions", '{"prompt": "ab", "stop": ["x", "\\udc80"]}', "stop.1"),
+    ],
+)
 def test_a_lone_surrogate_is_a_400_naming_the_field(http, route, body, param):
     raw = body.replace("{", '{"model": "tiny-test", ', 1).encode()
     resp = http.post(route, content=raw, headers={"Content-Type": "application/json"})
@@ -142,8 +161,11 @@ def test_an_unexpected_error_is_a_500_and_the_connection_stays(engine, http, mon
     monkeypatch.setattr(engine.runtime.tokenizer, "render_chat", broken)
     resp = http.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
     assert resp.status_code == 500 and resp.json()["error"] == {
-        "message": "internal error: TypeError", "type": "server_error", "param": None, "code": None,
-    }  # fmt: skip
+        "message": "internal error: TypeError",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
     port = local_port(resp)
     monkeypatch.undo()
     assert answered_on_the_same_connection(http, port)
@@ -153,13 +175,51 @@ def malformed_bodies(n: int, seed: int = 0) -> list[tuple[bytes, str]]:
     """Seeded bad requests: wrong types, missing fields, huge numbers, non-JSON, wrong types."""
     rng = random.Random(seed)
     good = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    junk = [None, True, -1, 0, 10**30, 1e308, -1e-9, "", "x" * 50, [], {}, [1, "a"], {"a": 1},
-            float("nan"), "NaN", 2**63]  # fmt: skip
-    fields = ["model", "messages", "max_tokens", "temperature", "stream", "stream_options",
-              "block_length", "threshold", "seed", "stop", "n", "max_completion_tokens"]  # fmt: skip
+    junk = [
+        None,
+        True,
+        -1,
+        0,
+        10**30,
+        1e308,
+        -1e-9,
+        "",
+        "x" * 50,
+        [],
+        {},
+        [1, "a"],
+        {"a": 1},
+        float("nan"),
+        "NaN",
+        2**63,
+    ]
+    fields = [
+        "model",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "stream",
+        "stream_options",
+        "block_length",
+        "threshold",
+        "seed",
+        "stop",
+        "n",
+        "max_completion_tokens",
+    ]
     cases: list[tuple[bytes, str]] = []
-    raw = [b"", b"not json", b"[1, 2]", b'"text"', b"{'model': 1}", b"\xff\xfe", b"{" * 5000,
-           b"null", b'{"model": "tiny-test", "messages": [', b"1" * 5000]  # fmt: skip
+    raw = [
+        b"",
+        b"not json",
+        b"[1, 2]",
+        b'"text"',
+        b"{'model': 1}",
+        b"\xff\xfe",
+        b"{" * 5000,
+        b"null",
+        b'{"model": "tiny-test", "messages": [',
+        b"1" * 5000,
+    ]
     cases += [(r, "application/json") for r in raw]
     cases += [(json.dumps(good).encode(), ct) for ct in ("text/plain", "", "application/xml")]
     while len(cases) < n:
@@ -169,9 +229,15 @@ def malformed_bodies(n: int, seed: int = 0) -> list[tuple[bytes, str]]:
             body.pop(rng.choice(["model", "messages"]))
         elif key == "messages":
             body["messages"] = rng.choice(
-                [[], [{"role": "robot", "content": "x"}], [{"content": "x"}], [{"role": "user",
-                 "content": 5}], ["hi"], [{"role": "user", "content": [{"type": "image"}]}]]
-            )  # fmt: skip
+                [
+                    [],
+                    [{"role": "robot", "content": "x"}],
+                    [{"content": "x"}],
+                    [{"role": "user", "content": 5}],
+                    ["hi"],
+                    [{"role": "user", "content": [{"type": "image"}]}],
+                ]
+            )
         else:
             value = rng.choice(junk)
             if value == "" and key == "stream":
@@ -207,8 +273,16 @@ def test_fuzz_malformed_bodies(http):
 
 
 def test_cli_serve_streams_to_the_openai_client(tiny_dir, tmp_path, start_cli):
-    args = ["--model", str(tiny_dir), "--device", "cpu", "--served-model-name", "tiny",
-            "--block-length", "8"]  # fmt: skip
+    args = [
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--served-model-name",
+        "tiny",
+        "--block-length",
+        "8",
+    ]
     with start_cli(tmp_path / "serve.log", *args) as (url, _proc):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", timeout=60)
         stream = client.chat.completions.create(

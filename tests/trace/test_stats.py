@@ -49,10 +49,17 @@ PROMPT_1 = [
     (0, 0, 0, [[0, 1], [2, 3], [4, 5], [6, 7]], [F, F, C, M], [1, 1, 0.9, 0.2], None),
     (0, 1, 1, [[8, 9], [4, 6]], [F, C], [1, 0.95], None),
     # block 1: one pending prefix row (block 0's last commit), then the block's two rows
-    (1, 0, 2, [[4, 10], [11, 12], [11, 13]], [F, C, M], [1, 0.96, 0.7],
-     [[0.5, 0.5], [0.75, 0.25], [0.5, 0.5]]),
+    (
+        1,
+        0,
+        2,
+        [[4, 10], [11, 12], [11, 13]],
+        [F, C, M],
+        [1, 0.96, 0.7],
+        [[0.5, 0.5], [0.75, 0.25], [0.5, 0.5]],
+    ),
     (1, 1, 3, [[11, 14], [11, 13]], [F, C], [1, 0.97], None),
-]  # fmt: skip
+]
 PROMPT_2 = [
     (0, 0, 0, [[0, 1], [0, 2]], [C, M], [0.99, 0.1], None),
     (0, 1, 1, [[0, 1], [0, 3]], [F, C], [1, 0.99], None),
@@ -66,10 +73,18 @@ def lm(fig) -> float | None:
 def test_hand_made_trace_figures() -> None:
     r = trace_stats(make_trace(PROMPT_1), block_length=2)
     assert r["size"] == {
-        "prompts": 1, "prompts_recorded": 0, "forwards": 4, "decode_forwards": 3,
-        "prompt_forwards": 1, "blocks": 2, "rows": 11, "decode_rows": 7, "moe_layers": 1,
-        "experts": 16, "top_k": 2,
-    }  # fmt: skip
+        "prompts": 1,
+        "prompts_recorded": 0,
+        "forwards": 4,
+        "decode_forwards": 3,
+        "prompt_forwards": 1,
+        "blocks": 2,
+        "rows": 11,
+        "decode_rows": 7,
+        "moe_layers": 1,
+        "experts": 16,
+        "top_k": 2,
+    }
     d = r["distinct_experts"]
     # block sets of the decode steps: {4,6,8,9}, {11,12,13}, {11,13,14}
     assert lm(d["block"]["mean"]) == pytest.approx(10 / 3)
@@ -129,8 +144,9 @@ def test_second_prompt_pairs_stay_inside_their_prompt() -> None:
 
 def test_known_commit_schedule() -> None:
     # block of 8, 3 commits per forward: 3, 3, 2 per block; the first forward counts apart
-    t = synthetic_trace(num_layers=2, num_experts=32, top_k=4, blocks=2, block_length=8,
-                        commits_per_iteration=3)  # fmt: skip
+    t = synthetic_trace(
+        num_layers=2, num_experts=32, top_k=4, blocks=2, block_length=8, commits_per_iteration=3
+    )
     r = trace_stats(t, block_length=8)
     assert r["tokens_per_forward"]["decode"] == pytest.approx(13 / 5)
     assert r["tokens_per_forward"]["all_forwards"] == pytest.approx(16 / 6)
@@ -172,8 +188,9 @@ def test_cli_table_and_json(tmp_path) -> None:
     make_trace(PROMPT_1).save(b)
     out = tmp_path / "stats.json"
     runner = CliRunner()
-    res = runner.invoke(app, ["trace", "stats", str(a), str(b), "--json", str(out),
-                              "--block-length", "32"])  # fmt: skip
+    res = runner.invoke(
+        app, ["trace", "stats", str(a), str(b), "--json", str(out), "--block-length", "32"]
+    )
     assert res.exit_code == 2 and "fewer than the block length 32" in res.output  # b has 2
     res = runner.invoke(app, ["trace", "stats", str(a), "--json", str(out)])
     assert res.exit_code == 0, res.output

@@ -116,9 +116,15 @@ def test_belady_matches_brute_force(seed: int) -> None:
 
 def random_trace(seed: int) -> Trace:
     return synthetic_trace(
-        num_layers=3, num_experts=32, blocks=2, block_length=8, drift=1.0, block_drift=1.0,
-        skew=0.0, seed=seed,
-    )  # fmt: skip
+        num_layers=3,
+        num_experts=32,
+        blocks=2,
+        block_length=8,
+        drift=1.0,
+        block_drift=1.0,
+        skew=0.0,
+        seed=seed,
+    )
 
 
 @pytest.mark.parametrize("trace_kind", ["random", "structured"])
@@ -130,9 +136,12 @@ def test_belady_bounds_every_policy(trace_kind: str, slots: int, small: Trace) -
         if name == "fiddler":
             continue  # a profile prefill starts warm; the bound is cold-start
         res = simulate(
-            trace, **anchor_policies(name), cost=COST,
-            total_slots=slots * layers, stage_capacity=2,
-        )  # fmt: skip
+            trace,
+            **anchor_policies(name),
+            cost=COST,
+            total_slots=slots * layers,
+            stage_capacity=2,
+        )
         bound = belady_bypass(trace, res.capacity_history)
         assert res.hit_rate <= bound + 1e-12, (name, res.hit_rate, bound)
 
@@ -145,15 +154,23 @@ def test_requests_are_distinct_per_step(small: Trace) -> None:
 
 def test_simulator_reports(small: Trace) -> None:
     res = simulate(
-        small, allocation=UniformAllocation(), retention=LRURetention(),
-        compensation=CpuOnly(), cost=COST, total_slots=4 * 8,
-    )  # fmt: skip
+        small,
+        allocation=UniformAllocation(),
+        retention=LRURetention(),
+        compensation=CpuOnly(),
+        cost=COST,
+        total_slots=4 * 8,
+    )
     assert res.hit_rate == 0.0 and res.cpu_share == pytest.approx(1.0)
     assert res.copies == 0 and res.stall_ms == 0.0
     full = simulate(
-        small, allocation=UniformAllocation(), retention=LRURetention(),
-        compensation=TransferOnly(), cost=COST, total_slots=4 * 64,
-    )  # fmt: skip
+        small,
+        allocation=UniformAllocation(),
+        retention=LRURetention(),
+        compensation=TransferOnly(),
+        cost=COST,
+        total_slots=4 * 64,
+    )
     assert full.hit_rate > 0.5 and full.cpu_share == 0.0
     assert full.ms_per_iteration < res.ms_per_iteration
     assert len(full.hit_rate_per_layer) == 4
@@ -167,12 +184,16 @@ def _repeating_trace(ids_of_step: list[np.ndarray], steps: list[int]) -> Trace:
     n = len(ids_of_step)
     ids = np.stack(ids_of_step).reshape(1, 2 * n, 2).astype(np.int16)  # [L, R, K]
     return Trace(
-        meta=TraceMeta(num_moe_layers=1, num_experts=16, top_k=2), ids=ids,
-        weights=np.ones(ids.shape, np.float32), token_state=np.full(2 * n, TOKEN_MASKED, np.int8),
-        confidence=np.zeros(2 * n, np.float32), row_offsets=np.arange(n + 1) * 2,
-        block=np.zeros(n, np.int32), iteration=np.array(steps, np.int32),
+        meta=TraceMeta(num_moe_layers=1, num_experts=16, top_k=2),
+        ids=ids,
+        weights=np.ones(ids.shape, np.float32),
+        token_state=np.full(2 * n, TOKEN_MASKED, np.int8),
+        confidence=np.zeros(2 * n, np.float32),
+        row_offsets=np.arange(n + 1) * 2,
+        block=np.zeros(n, np.int32),
+        iteration=np.array(steps, np.int32),
         step=np.array(steps, np.int32),
-    )  # fmt: skip
+    )
 
 
 def test_simulator_counts_the_misses_routed_the_forward_before() -> None:
@@ -180,8 +201,13 @@ def test_simulator_counts_the_misses_routed_the_forward_before() -> None:
     routed the forward before; fresh experts each forward: none was; a generation's first
     forward is not counted."""
     same = np.array([[0, 1], [2, 3]])
-    policies = dict(allocation=UniformAllocation(), retention=LRURetention(),
-                    compensation=TransferOnly(), cost=COST, total_slots=2)  # fmt: skip
+    policies = dict(
+        allocation=UniformAllocation(),
+        retention=LRURetention(),
+        compensation=TransferOnly(),
+        cost=COST,
+        total_slots=2,
+    )
     again = simulate(_repeating_trace([same] * 4, [0, 1, 2, 3]), **policies)
     assert again.copies + again.staged > 4 and again.misses_routed_before == 1.0
     fresh = [same + 4 * (i % 4) for i in range(4)]
@@ -198,9 +224,13 @@ def test_simulator_runtime_bound() -> None:
     assert trace.num_steps >= 500
     t0 = time.perf_counter()
     simulate(
-        trace, allocation=AdaptiveAllocation(), retention=ConfidenceRetention(),
-        compensation=CooperativeCompensation(), cost=COST, total_slots=19 * 64,
-    )  # fmt: skip
+        trace,
+        allocation=AdaptiveAllocation(),
+        retention=ConfidenceRetention(),
+        compensation=CooperativeCompensation(),
+        cost=COST,
+        total_slots=19 * 64,
+    )
     t1 = time.perf_counter()
     belady_bypass(trace, [64] * 19)
     t2 = time.perf_counter()
@@ -213,11 +243,20 @@ def test_planner_bench_replays_a_trace(tmp_path, small: Trace) -> None:
     path = tmp_path / "small.oledtrace"
     small.save(path)
     out = subprocess.run(
-        [sys.executable, str(root / "tools" / "bench_planner.py"), "--trace", str(path),
-         "--slots-per-layer", "8"],
-        capture_output=True, text=True, check=True, cwd=root,
+        [
+            sys.executable,
+            str(root / "tools" / "bench_planner.py"),
+            "--trace",
+            str(path),
+            "--slots-per-layer",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
-    ).stdout  # fmt: skip
+    ).stdout
     assert f"{small.num_steps} forwards x 4 MoE layers, 64 experts" in out
     for anchor in ANCHORS:
         for planner in ("python", "compiled"):
@@ -231,14 +270,16 @@ def test_prompt_starts_and_ids_round_trip_as_uint8(tmp_path):
     a = synthetic_trace(num_layers=3, num_experts=256, top_k=4, blocks=2, seed=1)
     b = synthetic_trace(num_layers=3, num_experts=256, top_k=4, blocks=1, seed=2)
     both = Trace(
-        meta=a.meta, ids=np.concatenate([a.ids, b.ids], 1),
+        meta=a.meta,
+        ids=np.concatenate([a.ids, b.ids], 1),
         weights=np.concatenate([a.weights, b.weights], 1),
         token_state=np.concatenate([a.token_state, b.token_state]),
         confidence=np.concatenate([a.confidence, b.confidence]),
         row_offsets=np.concatenate([a.row_offsets, a.row_offsets[-1] + b.row_offsets[1:]]),
-        block=np.concatenate([a.block, b.block]), iteration=np.concatenate([a.iteration, b.iteration]),
+        block=np.concatenate([a.block, b.block]),
+        iteration=np.concatenate([a.iteration, b.iteration]),
         step=np.concatenate([a.step, b.step]),
-    )  # fmt: skip
+    )
     assert list(both.prompt_starts) == [0, a.num_steps]
     path = tmp_path / "t.oledtrace"
     both.save(path)

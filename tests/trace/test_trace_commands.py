@@ -42,11 +42,19 @@ def _simulate(tmp_path, tiny_dir, runtime: str, **geometry):
 
 
 def test_simulate_needs_a_slot_budget(tmp_path, tiny_dir):
-    res = _simulate(tmp_path, tiny_dir, 'budget = { gpu_memory = "8GiB" }', num_layers=3,
-                    num_experts=32, top_k=4)  # fmt: skip
+    res = _simulate(
+        tmp_path,
+        tiny_dir,
+        'budget = { gpu_memory = "8GiB" }',
+        num_layers=3,
+        num_experts=32,
+        top_k=4,
+    )
     assert res.exit_code == 2
-    assert "gpu_memory budget needs a device to size: give expert_fraction, expert_budget or " \
-        "slots_per_layer" in " ".join(res.output.split())  # fmt: skip
+    assert (
+        "gpu_memory budget needs a device to size: give expert_fraction, expert_budget or "
+        "slots_per_layer" in " ".join(res.output.split())
+    )
 
 
 def _recipe(tmp_path, model) -> Path:
@@ -75,8 +83,10 @@ def test_record_checks_its_output_before_loading(tmp_path, tiny_dir, monkeypatch
     monkeypatch.setattr("oled.runtime.build", build)
     recipe = _recipe(tmp_path, tiny_dir)
     nowhere = tmp_path / "nowhere" / "t.oledtrace"
-    for out, problem in ((nowhere, f"no such directory {nowhere.parent}"),
-                         (tmp_path, "is a directory, not a file")):  # fmt: skip
+    for out, problem in (
+        (nowhere, f"no such directory {nowhere.parent}"),
+        (tmp_path, "is a directory, not a file"),
+    ):
         res = CliRunner().invoke(app, ["trace", "record", str(recipe), "-o", str(out)])
         assert _one_error(res) == f"error: --out {out}: {problem}"
 
@@ -132,8 +142,14 @@ def test_record_shows_progress_on_a_terminal_only(tmp_path, tiny_dir):
 
 
 def test_simulate_refuses_a_trace_of_another_routing(tmp_path, tiny_dir):
-    res = _simulate(tmp_path, tiny_dir, 'budget = { expert_fraction = 0.25 }\ncost = "cpu-ci"',
-                    num_layers=19, num_experts=256, top_k=8)  # fmt: skip
+    res = _simulate(
+        tmp_path,
+        tiny_dir,
+        'budget = { expert_fraction = 0.25 }\ncost = "cpu-ci"',
+        num_layers=19,
+        num_experts=256,
+        top_k=8,
+    )
     assert _one_error(res) == (
         "error: simulation: the trace's routing geometry (19 MoE layers x 256 experts, top-8) "
         "does not match the model's (3 MoE layers x 32 experts, top-4) "

