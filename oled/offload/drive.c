@@ -1,4 +1,4 @@
-/* The offload engine's static layer call in C (oled/offload/driver.py loads it with plan.c, from
+/* The offload engine's static layer call in C (oled/offload/driver.py builds it with plan.c, from
  * oled/policies/): the plan (oled_plan), then every launch of the layer through the CUDA runtime,
  * in the order of the engine's Python path (oled/offload/launches.py): the copies into cache
  * slots (timed from the copy stream to where they are complete), the CPU experts' activations
@@ -29,63 +29,20 @@ typedef int (*create_fn)(void **event);
 typedef int (*elapsed_fn)(float *ms, void *start, void *end);
 
 enum { H2D = 1, D2H = 2 };    /* cudaMemcpyKind */
-enum { LAND_PARTS = 2 };      /* landing rounds in flight (oled.offload.encoded.PARTS) */
 enum { LOG_COPY, LOG_STALL }; /* what a logged event pair timed */
-/* Columns of Drive.counts' rows: what the engine's metrics add per layer call. */
-enum { C_HITS, C_MISSES, C_COPIES, C_STAGED, C_CPU_EXPERTS, C_CPU_TOKENS, C_GPU_EXPERTS,
-       C_PLAN_MS, C_LAUNCH_MS, C_PASS_MS, C_CALLS, C_COPY_MS, C_STALL_MS, N_COUNTS };
 
-/* Mirrors oled.offload.driver.Drive (ctypes; checked on load against DRIVE_FIELDS). */
-typedef struct {
-    memcpy_fn memcpy_async;
-    void *memcpy_batch; /* batch12_fn or batch13_fn by batch_abi, or NULL */
-    record_fn record;
-    wait_fn wait;
-    graph_fn launch;
-    create_fn create;
-    elapsed_fn elapsed;
-    int64_t batch_abi, batch_min; /* 12 or 13; batch from this many experts (0: never) */
-    void *batch_attrs;            /* one cudaMemcpyAttributes for every copy */
-    void *compute, *copy;         /* streams */
-    int64_t *src13, *src2, *cache13, *cache2; /* [L] table base addresses */
-    int64_t stage13, stage2, size13, size2;   /* stage tables; bytes per expert */
-    int64_t stage_capacity;                   /* experts per staged round */
-    const Bind *bind;                         /* the planner's (plan.c) */
-    const int64_t *out;                       /* its output: header, then the plan's arrays */
-    int64_t maps_host, maps_dev, map_rows, num_experts; /* [L, map_rows, E] int64 */
-    void **events;              /* [n_events] timing events, created on first use */
-    int64_t n_events, used;
-    int64_t *log;               /* [log_cap, 4]: layer, kind, start event, end event */
-    int64_t log_cap, logged;
-    void *stage_free;           /* after the last staged pass (NULL: the stage is free) */
-    void *cpu_ready;            /* out: the CPU experts' activations are on the host */
-    double *counts;             /* [L, N_COUNTS] sums since the last collect */
-    void **srcs, **dsts;        /* [2 E] batched copy arguments */
-    size_t *sizes, failed, attr_index;
-    int64_t error;              /* the runtime's error code of a failed call */
-    /* Encoded copies (oled.offload.encoded; decode_execs NULL: plain rows): the rows land in
-     * part p = (ring index) % LAND_PARTS of the landing tables, land_rows at a time, and part
-     * p's decoder graph decodes them into their destination rows (plain13/plain2 bytes each)
-     * on the decoder's stream, the rows listed in a descriptor sent on the copy stream from the
-     * pinned ring desc_host ([desc_cap, desc_stride] int64; *desc_used taken, shared with the
-     * Python path) to part p's row of desc_dev [LAND_PARTS, desc_stride]. Offsets are from
-     * land13. land_events [2, LAND_PARTS]: each part's event after its landing, after its
-     * decode (the Python path's too). */
-    void *decoder;
-    const int64_t *decode_execs; /* [LAND_PARTS] */
-    void *const *land_events;
-    int64_t land13, land2, land_rows, plain13, plain2;
-    int64_t *desc_host, desc_dev, desc_stride, desc_cap;
-    int64_t *desc_used;
-} Drive;
-
-/* One (layer, tokens) key's static call: its pass graphs by slot-map row (0: not captured
- * yet), its routing on the host (pinned: ids int64, weights fp32, `pairs` of each) and its
- * activations (for CPU experts). Mirrors oled.offload.driver.Call (checked like Drive). */
-typedef struct {
-    int64_t *execs; /* [n_execs] */
-    int64_t n_execs, ids_host, w_host, pairs, x_dev, x_host, x_bytes;
-} Call;
+/* Drive, Call and the tables (LAND_PARTS, the counts' columns C_*), generated from
+ * oled/offload/drive_state.py.
+ *
+ * Encoded copies (oled.offload.encoded; decode_execs NULL: plain rows): the rows land in part p = (ring index) % LAND_PARTS of the landing tables, land_rows at a time, and part
+ * p's decoder graph decodes them into their destination rows (plain13/plain2 bytes each)
+ * on the decoder's stream, the rows listed in a descriptor sent on the copy stream from the
+ * pinned ring desc_host ([desc_cap, desc_stride] int64; *desc_used taken, shared with the
+ * Python path) to part p's row of desc_dev [LAND_PARTS, desc_stride]. Offsets are from
+ * land13. land_events [2, LAND_PARTS]: each part's event after its landing, after its
+ * decode (the Python path's too). */
+#define OLED_DRIVE_CONTRACT /* the contract is defined here */
+#include "drive_state.h"
 
 static double now(void) {
     struct timespec t;
@@ -248,7 +205,7 @@ static int64_t launch(Drive *d, const Call *c, int64_t layer, int64_t rows, int6
     const int64_t *out = d->out, *h = out, E = d->num_experts;
     double t0 = now();
     void *copied = NULL;
-    if (n_copy && copies(d, layer, out + h[OUT_COPY_E], out + h[OUT_COPY_S], n_copy,
+    if (n_copy && copies(d, layer, out + h[OUT_COPY_EXPERTS], out + h[OUT_COPY_SLOTS], n_copy,
                          d->cache13[layer], d->cache2[layer], &copied))
         return -2;
     double t1 = now();
@@ -268,7 +225,7 @@ static int64_t launch(Drive *d, const Call *c, int64_t layer, int64_t rows, int6
         CHECK(d->launch((void *)(intptr_t)c->execs[MAP_COPIED], d->compute));
     }
     int64_t size = d->stage_capacity; /* round r holds staged experts [r size, (r + 1) size) */
-    const int64_t *stage_e = out + h[OUT_STAGE_E], *stage_s = out + h[OUT_STAGE_S];
+    const int64_t *stage_e = out + h[OUT_STAGE_EXPERTS], *stage_s = out + h[OUT_STAGE_SLOTS];
     void *users[STAGE_ROUNDS]; /* after the last users of each part of the stage */
     for (int p = 0; p < STAGE_ROUNDS; p++) users[p] = d->stage_free;
     for (int64_t r = MAP_STAGED, lo = 0; r < rows; r++, lo += size) {
@@ -303,15 +260,15 @@ int64_t oled_layer(Drive *d, const Call *c, int64_t layer, int64_t step, int64_t
     double t1 = now();
     const int64_t *h = d->out, *out = d->out;
     int64_t rows = h[H_MAP_ROWS];
-    int64_t n_copy = h[OUT_COPY_E + 1] - h[OUT_COPY_E];
-    int64_t n_stage = h[OUT_STAGE_E + 1] - h[OUT_STAGE_E];
-    int64_t n_cpu = h[OUT_CPU_E + 1] - h[OUT_CPU_E];
+    int64_t n_copy = h[OUT_COPY_EXPERTS + 1] - h[OUT_COPY_EXPERTS];
+    int64_t n_stage = h[OUT_STAGE_EXPERTS + 1] - h[OUT_STAGE_EXPERTS];
+    int64_t n_cpu = h[OUT_CPU_EXPERTS + 1] - h[OUT_CPU_EXPERTS];
     if (!ready(d, c, rows, n_copy, n_stage, n_cpu)) return 0;
     d->cpu_ready = NULL;
     rc = launch(d, c, layer, rows, n_copy, n_stage, n_cpu);
     if (rc != 1) return rc;
     int64_t tokens = 0;
-    for (int64_t i = h[OUT_CPU_T]; i < h[OUT_CPU_T + 1]; i++) tokens += out[i];
+    for (int64_t i = h[OUT_CPU_TOKENS]; i < h[OUT_CPU_TOKENS + 1]; i++) tokens += out[i];
     double *row = d->counts + layer * N_COUNTS;
     row[C_HITS] += (double)(h[OUT_HITS + 1] - h[OUT_HITS]);
     row[C_MISSES] += (double)(h[OUT_MISSES + 1] - h[OUT_MISSES]);
@@ -319,7 +276,7 @@ int64_t oled_layer(Drive *d, const Call *c, int64_t layer, int64_t step, int64_t
     row[C_STAGED] += (double)n_stage;
     row[C_CPU_EXPERTS] += (double)n_cpu;
     row[C_CPU_TOKENS] += (double)tokens;
-    row[C_GPU_EXPERTS] += (double)(h[OUT_GPU + 1] - h[OUT_GPU] + n_stage);
+    row[C_GPU_EXPERTS] += (double)(h[OUT_GPU_EXPERTS + 1] - h[OUT_GPU_EXPERTS] + n_stage);
     row[C_PLAN_MS] += 1e3 * (t1 - t0);
     row[C_CALLS] += 1;
     return 1;
@@ -337,52 +294,4 @@ int64_t oled_collect(Drive *d) {
     d->used = d->logged = 0;
     d->stage_free = NULL;
     return 0;
-}
-
-/* -- the contract: what the Python mirrors are checked against on load (oled.offload.driver) */
-
-static const ContractRow DRIVE_FIELDS[] = {
-    FIELD(Drive, memcpy_async), FIELD(Drive, memcpy_batch), FIELD(Drive, record),
-    FIELD(Drive, wait), FIELD(Drive, launch), FIELD(Drive, create), FIELD(Drive, elapsed),
-    FIELD(Drive, batch_abi), FIELD(Drive, batch_min), FIELD(Drive, batch_attrs),
-    FIELD(Drive, compute), FIELD(Drive, copy), FIELD(Drive, src13), FIELD(Drive, src2),
-    FIELD(Drive, cache13), FIELD(Drive, cache2), FIELD(Drive, stage13), FIELD(Drive, stage2),
-    FIELD(Drive, size13), FIELD(Drive, size2), FIELD(Drive, stage_capacity), FIELD(Drive, bind),
-    FIELD(Drive, out), FIELD(Drive, maps_host), FIELD(Drive, maps_dev), FIELD(Drive, map_rows),
-    FIELD(Drive, num_experts), FIELD(Drive, events), FIELD(Drive, n_events), FIELD(Drive, used),
-    FIELD(Drive, log), FIELD(Drive, log_cap), FIELD(Drive, logged), FIELD(Drive, stage_free),
-    FIELD(Drive, cpu_ready), FIELD(Drive, counts), FIELD(Drive, srcs), FIELD(Drive, dsts),
-    FIELD(Drive, sizes), FIELD(Drive, failed), FIELD(Drive, attr_index), FIELD(Drive, error),
-    FIELD(Drive, decoder), FIELD(Drive, decode_execs), FIELD(Drive, land_events),
-    FIELD(Drive, land13), FIELD(Drive, land2), FIELD(Drive, land_rows),
-    FIELD(Drive, plain13), FIELD(Drive, plain2), FIELD(Drive, desc_host), FIELD(Drive, desc_dev),
-    FIELD(Drive, desc_stride), FIELD(Drive, desc_cap), FIELD(Drive, desc_used),
-};
-static const ContractRow CALL_FIELDS[] = {
-    FIELD(Call, execs), FIELD(Call, n_execs), FIELD(Call, ids_host), FIELD(Call, w_host),
-    FIELD(Call, pairs), FIELD(Call, x_dev), FIELD(Call, x_host), FIELD(Call, x_bytes),
-};
-/* oled.offload.driver.COUNTS: the columns of Drive.counts. */
-static const ContractRow COUNT_NAMES[] = {
-    ENTRY("hits", C_HITS), ENTRY("misses", C_MISSES), ENTRY("copies", C_COPIES),
-    ENTRY("staged", C_STAGED), ENTRY("cpu_experts", C_CPU_EXPERTS),
-    ENTRY("cpu_tokens", C_CPU_TOKENS), ENTRY("gpu_experts", C_GPU_EXPERTS),
-    ENTRY("plan_ms", C_PLAN_MS), ENTRY("launch_ms", C_LAUNCH_MS), ENTRY("pass_ms", C_PASS_MS),
-    ENTRY("calls", C_CALLS), ENTRY("copy_ms", C_COPY_MS), ENTRY("stall_ms", C_STALL_MS),
-};
-_Static_assert(N_ROWS(COUNT_NAMES) == N_COUNTS, "every counts column has a name");
-/* oled.offload.encoded: the landing buffer's parts. */
-static const ContractRow LANDING[] = {ENTRY("parts", LAND_PARTS)};
-
-static const Contract CONTRACT[] = {
-    STRUCT(Drive, DRIVE_FIELDS),
-    STRUCT(Call, CALL_FIELDS),
-    TABLE("counts", COUNT_NAMES),
-    TABLE("landing", LANDING),
-};
-
-/* drive.c's contract: *out = its tables; returns their number. */
-int64_t oled_drive_contract(const Contract **out) {
-    *out = CONTRACT;
-    return N_ROWS(CONTRACT);
 }

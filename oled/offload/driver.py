@@ -1,5 +1,5 @@
-"""The offload engine's static layer calls launched from C (drive.c, built with plan.c by
-oled.policies.native): after the routing sync one call plans the layer and issues every CUDA
+"""The offload engine's static layer calls launched from C (drive.c, built here into one library
+with the planner's plan.c): after the routing sync one call plans the layer and issues every CUDA
 runtime call of it (copies, timing events, waits, slot maps, the passes' graph launches), in
 the order of the engine's Python path (oled.offload.launches), so the host path of a layer
 costs one ctypes call instead of dozens of Python-level launches (docs/performance-history.md,
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from functools import cache
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from oled.clib import Library, NativeUnavailable
 from oled.offload.copies import (
     batching,
     check,
@@ -29,7 +30,7 @@ from oled.offload.copies import (
     runtime_function,
     runtime_memcpy_batch,
 )
-from oled.offload.encoded import PARTS
+from oled.offload.drive_state import CALL, COUNTS, DRIVE, DRIVE_PART
 from oled.policies import native
 
 if TYPE_CHECKING:
@@ -38,22 +39,6 @@ if TYPE_CHECKING:
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
 
-# drive.c's counts columns: engine metrics per layer, summed there between collects
-COUNTS = (
-    "hits",
-    "misses",
-    "copies",
-    "staged",
-    "cpu_experts",
-    "cpu_tokens",
-    "gpu_experts",
-    "plan_ms",
-    "launch_ms",
-    "pass_ms",
-    "calls",
-    "copy_ms",
-    "stall_ms",
-)
 EVENTS = 4096  # timing events in the pool: an iteration uses 4-10 a layer
 RUNTIME = (
     "cudaMemcpyAsync",
@@ -65,103 +50,32 @@ RUNTIME = (
     "cudaEventSynchronize",
     "cudaEventDestroy",
 )
+Drive, Call = DRIVE.ctype, CALL.ctype  # the ctypes mirrors
 
 
-class Drive(ctypes.Structure):
-    """Mirrors `Drive` in drive.c."""
-
-    _fields_ = [
-        ("memcpy_async", _p),
-        ("memcpy_batch", _p),
-        ("record", _p),
-        ("wait", _p),
-        ("launch", _p),
-        ("create", _p),
-        ("elapsed", _p),
-        ("batch_abi", _i),
-        ("batch_min", _i),
-        ("batch_attrs", _p),
-        ("compute", _p),
-        ("copy", _p),
-        ("src13", _p),
-        ("src2", _p),
-        ("cache13", _p),
-        ("cache2", _p),
-        ("stage13", _i),
-        ("stage2", _i),
-        ("size13", _i),
-        ("size2", _i),
-        ("stage_capacity", _i),
-        ("bind", _p),
-        ("out", _p),
-        ("maps_host", _i),
-        ("maps_dev", _i),
-        ("map_rows", _i),
-        ("num_experts", _i),
-        ("events", _p),
-        ("n_events", _i),
-        ("used", _i),
-        ("log", _p),
-        ("log_cap", _i),
-        ("logged", _i),
-        ("stage_free", _p),
-        ("cpu_ready", _p),
-        ("counts", _p),
-        ("srcs", _p),
-        ("dsts", _p),
-        ("sizes", _p),
-        ("failed", ctypes.c_size_t),
-        ("attr_index", ctypes.c_size_t),
-        ("error", _i),
-        ("decoder", _p),
-        ("decode_execs", _p),
-        ("land_events", _p),
-        ("land13", _i),
-        ("land2", _i),
-        ("land_rows", _i),
-        ("plain13", _i),
-        ("plain2", _i),
-        ("desc_host", _p),
-        ("desc_dev", _i),
-        ("desc_stride", _i),
-        ("desc_cap", _i),
-        ("desc_used", _p),
-    ]
-
-
-class Call(ctypes.Structure):
-    """Mirrors `Call` in drive.c: one (layer, tokens) key's pass graphs and activations."""
-
-    _fields_ = [
-        ("execs", _p),
-        ("n_execs", _i),
-        ("ids_host", _i),
-        ("w_host", _i),
-        ("pairs", _i),
-        ("x_dev", _i),
-        ("x_host", _i),
-        ("x_bytes", _i),
-    ]
-
-
-def library() -> ctypes.CDLL:
-    """The compiled library (oled.policies.native) with drive.c's contract checked against
-    `Drive`, `Call` and `COUNTS`; NativeUnavailable when it cannot be had, a ContractError
-    when the contract does not hold."""
-    return _checked(native.library())
-
-
-@cache
-def _checked(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """drive.c's contract checked once per loaded library (a ContractError, not remembered,
-    when it does not hold), and its entry points declared."""
-    tables = {"counts": {name: i for i, name in enumerate(COUNTS)}, "landing": {"parts": PARTS}}
-    native.check(lib, "drive", {"Drive": Drive, "Call": Call}, tables)
+def _declare(lib: ctypes.CDLL) -> None:
+    """drive.c's entry points' signatures, and plan.c's (built in)."""
+    native.declare(lib)
     lib.oled_layer.restype = _i
     lib.oled_layer.argtypes = [_p, _p, _i, _i, _i, ctypes.c_double, _i]
     lib.oled_collect.restype = _i
     lib.oled_collect.argtypes = [_p]
-    return lib
+
+
+LIBRARY = Library(
+    "drive",
+    (Path(__file__).parent / "drive.c", native.SOURCE),
+    (native.PLAN, DRIVE_PART),
+    includes=(native.INCLUDE,),
+    declare=_declare,
+)
+
+
+def library() -> ctypes.CDLL:
+    """drive.c built with plan.c (once per source and machine), loaded and both contracts
+    checked; NativeUnavailable when it cannot be had, a ContractError when a contract does
+    not hold."""
+    return LIBRARY.load()
 
 
 def unsupported() -> str | None:
@@ -170,7 +84,7 @@ def unsupported() -> str | None:
         return "no CUDA device"
     try:
         library()
-    except native.NativeUnavailable as e:
+    except NativeUnavailable as e:
         return str(e)
     if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
         return f"torch {torch.__version__} has no CUDAGraph.raw_cuda_graph_exec"
@@ -201,7 +115,7 @@ class LayerDriver:
         self.lib = library()
         self.plan = e.planner.native
         L, E = e.store.num_layers, e.num_experts
-        self.counts = np.zeros((L, len(COUNTS)), np.float64)
+        self.counts = np.zeros((L, len(COUNTS.entries)), np.float64)  # [L, metrics' FIELDS]
         self.events = (ctypes.c_void_p * EVENTS)()
         self.log = np.zeros((2 * EVENTS, 4), np.int64)
         self.batch_args = [(ctypes.c_void_p * (2 * E + 2))() for _ in range(2)]
@@ -213,7 +127,7 @@ class LayerDriver:
             self.bind_tables(layer)
         self.use_batches(batching())
         self.ref = ctypes.byref(d)
-        self.calls: dict[tuple[int, int], tuple[Call, np.ndarray, object]] = {}
+        self.calls: dict[tuple[int, int], tuple[Any, np.ndarray, object]] = {}
         self._sync = runtime_function("cudaEventSynchronize", _p)
         self._wait = runtime_function("cudaStreamWaitEvent", _p, _p, ctypes.c_uint)
         # the pool's events go with the driver, or at exit while the runtime is still loaded
@@ -222,7 +136,7 @@ class LayerDriver:
         self._layer = self.lib.oled_layer
         self.launched = 0  # layer calls launched from C
 
-    def _drive(self) -> Drive:
+    def _drive(self) -> Any:
         """The Drive over the runtime's entry points, the engine's streams, stage and slot maps,
         the plan's buffers and the driver's own."""
         e, plan = self.engine, self.plan
@@ -300,7 +214,7 @@ class LayerDriver:
         self.launched += rc
         return rc
 
-    def _call(self, layer: int, tokens: int) -> tuple[Call, np.ndarray, object]:
+    def _call(self, layer: int, tokens: int) -> tuple[Any, np.ndarray, object]:
         """The key's Call: no graphs yet, the static activations and their pinned copy."""
         e = self.engine
         x = e.static_request(layer, tokens).x  # [T, H]
@@ -367,7 +281,7 @@ class LayerDriver:
             check(self.drive.error, "cudaEventElapsedTime")
 
     def take_counts(self) -> np.ndarray:
-        """The launched calls' counts and times since the last take [L, len(COUNTS)]."""
+        """The launched calls' counts and times since the last take [L, metrics' FIELDS]."""
         counts = self.counts.copy()
         self.counts[:] = 0
         return counts

@@ -38,10 +38,10 @@ from oled.model.graphs import Graphs
 from oled.model.model import MoERequest
 from oled.model.stages import annotating, stage
 from oled.offload.copies import Rows, launch, transfer
-from oled.offload.driver import COUNTS, LayerDriver, unavailable
+from oled.offload.driver import LayerDriver, unavailable
 from oled.offload.encoded import EncodedCopies
 from oled.offload.launches import Launcher, launch_inputs, launch_passes, timed_copies
-from oled.offload.metrics import EngineMetrics
+from oled.offload.metrics import INDEX, EngineMetrics
 from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, StepContext
 from oled.policies.planner import HIT, STAGED, LayerPlan, Planner, Resize
 
@@ -452,8 +452,8 @@ class OffloadEngine(DecodeObserver):
         self._routing = [None] * len(self._routing)
         self._collect_events()
         if self.driver is not None:  # the counts of the calls launched from C
-            counts = dict(zip(COUNTS, self.driver.take_counts().T, strict=True))
-            counts["copy_bytes"] = counts["copies"] * self.expert_bytes
+            counts = self.driver.take_counts()  # [L, FIELDS]
+            counts[:, INDEX["copy_bytes"]] = counts[:, INDEX["copies"]] * self.expert_bytes
             self.metrics.add_layers(counts)
         self.metrics.end_iteration()
 

@@ -25,7 +25,7 @@ FIELDS = (
     "predicted",
     "predicted_hits",
 )
-_INDEX = {name: i for i, name in enumerate(FIELDS)}
+INDEX = {name: i for i, name in enumerate(FIELDS)}  # a field's column
 
 
 class EngineMetrics:
@@ -65,17 +65,14 @@ class EngineMetrics:
     def add(self, layer: int, **values: float) -> None:
         row, current = self._layers[layer], self._current
         for name, value in values.items():
-            i = _INDEX[name]
+            i = INDEX[name]
             row[i] += value
             current[i] += value
 
-    def add_layers(self, values: dict[str, np.ndarray]) -> None:
-        """Add per-layer values [L] of each named field."""
-        for name, column in values.items():
-            i = _INDEX[name]
-            for row, value in zip(self._layers, column.tolist(), strict=True):
-                row[i] += value
-            self._current[i] += float(column.sum())
+    def add_layers(self, values: np.ndarray) -> None:
+        """Add per-layer values [L, F] (FIELDS' columns)."""
+        self._layers = (np.asarray(self._layers) + values).tolist()
+        self._current = (np.asarray(self._current) + values.sum(axis=0)).tolist()
 
     def end_iteration(self) -> None:
         self.iterations.append(self._current)

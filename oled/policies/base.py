@@ -10,8 +10,11 @@ import difflib
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import ClassVar
 
 import numpy as np
+
+from oled.policies.state import Kind
 
 TOKEN_FIXED = 0  # prompt / already decoded / pending prefix rows
 TOKEN_MASKED = 1  # still masked after this iteration
@@ -208,6 +211,8 @@ class AllocationPolicy(ABC):
 class RetentionPolicy(ABC):
     """Decides which cached experts to evict; predicts near-future reuse."""
 
+    compiled_as: ClassVar[Kind | None] = None  # the built-ins': how plan.c implements them
+
     def reset(self, *, num_layers: int, num_experts: int) -> None:
         """Start from an empty state (called by the planner at construction)."""
         self.num_layers = num_layers
@@ -251,6 +256,8 @@ def lowest(priority: np.ndarray, candidates: np.ndarray, n: int) -> np.ndarray:
 
 class CompensationPolicy(ABC):
     """Decides, per missed expert, copy to the GPU (True) or compute on the CPU (False)."""
+
+    compiled_as: ClassVar[Kind | None] = None  # the built-ins': how plan.c implements them
 
     @abstractmethod
     def decide(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from oled.policies.base import CompensationPolicy, CostModel, Load
+from oled.policies.state import InState, Kind, Stateful
 
 
 def best_split(
@@ -64,6 +65,8 @@ class CooperativeCompensation(CompensationPolicy):
     depend on the moment's timings (`adaptive`).
     """
 
+    compiled_as = Kind(5, "cooperative", {"future_weight": "double", "horizon": "double"})
+
     def __init__(
         self,
         *,
@@ -121,6 +124,8 @@ class CooperativeCompensation(CompensationPolicy):
 class MakespanCompensation(CompensationPolicy):
     """HybriMoE-style scheduler: heaviest misses to the GPU until CPU and copy queues balance."""
 
+    compiled_as = Kind(4, "makespan")
+
     def __init__(self) -> None:
         pass
 
@@ -145,6 +150,8 @@ class MakespanCompensation(CompensationPolicy):
 class BatchThreshold(CompensationPolicy):
     """llama.cpp: copy an expert to the GPU when it has at least `min_tokens` tokens, else CPU."""
 
+    compiled_as = Kind(3, "batch", {"min_tokens": "double"})
+
     def __init__(self, *, min_tokens: int = 32) -> None:
         self.min_tokens = min_tokens
 
@@ -165,6 +172,8 @@ class BatchThreshold(CompensationPolicy):
 class TransferOnly(CompensationPolicy):
     """Copy every miss to the GPU (mixtral-offloading, MoE-Infinity)."""
 
+    compiled_as = Kind(1, "transfer")
+
     def __init__(self) -> None:
         pass
 
@@ -184,6 +193,8 @@ class TransferOnly(CompensationPolicy):
 
 class CpuOnly(CompensationPolicy):
     """Run every miss on the CPU (Fiddler-style)."""
+
+    compiled_as = Kind(2, "cpu")
 
     def __init__(self) -> None:
         pass
@@ -217,6 +228,8 @@ class IntervalRefresh(CpuOnly):
     the (up to capacity) experts of that forward that have the most tokens.
     """
 
+    compiled_as = Kind(6, "interval", {"interval": "int64_t", "min_tokens": "double"})
+
     def __init__(self, *, interval: int = 4, min_tokens: int = 1) -> None:
         self.interval = interval
         self.min_tokens = min_tokens  # experts below this token count are never loaded
@@ -231,12 +244,18 @@ class IntervalRefresh(CpuOnly):
         return top[tokens[top] >= max(1, self.min_tokens)]
 
 
-class StaticHot(CpuOnly):
+class StaticHot(Stateful, CpuOnly):
     """Fiddler / kTransformers: the hottest experts of a profile stay on the GPU; misses on the CPU.
 
     The profile is `counts` ([num_layers][num_experts] token counts) or, when absent, learned
     over the first `learn_blocks` blocks, after which the hot set is loaded once.
     """
+
+    compiled_as = Kind(7, "static_hot", {"learn_blocks": "double"})
+
+    learned = InState()  # [L, E] token counts so far
+    seen = InState()  # [L] whether learned holds any forward
+    loaded = InState()  # [L] whether the hot set is loaded
 
     def __init__(self, *, counts: list[list[float]] | None = None, learn_blocks: int = 1) -> None:
         self.counts = None if counts is None else np.asarray(counts, np.float64)
@@ -245,9 +264,10 @@ class StaticHot(CpuOnly):
 
     def reset(self, *, num_layers: int, num_experts: int) -> None:
         """Forget the learned profile."""
-        self.learned = np.zeros((num_layers, num_experts))  # [L, E] token counts so far
-        self.seen = np.zeros(num_layers, np.uint8)  # [L] whether learned holds any forward
-        self.loaded = np.zeros(num_layers, np.uint8)  # [L] whether the hot set is loaded
+        self.own_state(num_layers=num_layers, num_experts=num_experts)
+        self.learned.fill(0.0)
+        self.seen.fill(0)
+        self.loaded.fill(0)
 
     def _hot(self, counts: np.ndarray, capacity: int) -> np.ndarray:
         top = np.argsort(-counts, kind="stable")[:capacity]

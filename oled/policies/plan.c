@@ -2,56 +2,22 @@
  *
  * The same decisions as the Python planner (oled/policies/planner.py) and the same floating-point
  * operations in the same order: built without FMA contraction or fast math, sums in index order
- * like numpy's bincount and cumsum, stable sorts with the same tie rules. Every array is owned by
- * the Python objects (caches, policies, planner) and updated in place here.
+ * like numpy's bincount and cumsum, stable sorts with the same tie rules. The state it reads and
+ * writes (Bind, generated from oled/policies/state.py) is the planner's PlanState, allocated once.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
+#define OLED_PLAN_CONTRACT /* the contract is defined here */
 #include "plan.h"
-
-enum { RET_LRU = 1, RET_LFU = 2, RET_SCORE_EMA = 3, RET_CONFIDENCE = 4 };
-enum {
-    COMP_TRANSFER = 1, COMP_CPU = 2, COMP_BATCH = 3, COMP_MAKESPAN = 4, COMP_COOPERATIVE = 5,
-    COMP_INTERVAL = 6, COMP_STATIC_HOT = 7
-};
 
 /* The plan's arrays (plan.h: OUT_*) are built in scratch regions, then packed into `out`. */
 
 /* Scratch regions (int64 or double), each `num_experts + 1` long; the plan's arrays follow. */
 enum { S_REST, S_REFRESH, S_PREFETCH, S_WANT, S_PROTECT, S_QUEUE, S_CAND, S_ORDER, S_TMP,
        S_REUSE, S_WANT_REUSE, S_KEY, S_LEFT, S_CPU_LEFT, S_MASS, N_SCRATCH };
-
-/* Mirrors oled.policies.native.Bind (ctypes; checked on load against BIND_FIELDS). */
-struct Bind {
-    int64_t num_layers, num_experts, stage_capacity;
-    double stats_alpha;
-    int64_t *slot_of, *expert_in, *capacity; /* [L]: addresses of int32 [E] / int32 [C]; C */
-    double *ws, *reuse;                      /* [L] planner measurements */
-    int64_t *samples, *prev_used, *stats;    /* [L], [L, E], [L, N_STATS] */
-    int64_t ret_kind, ret_flag;              /* LFU: per_token */
-    double *priority;                        /* [L, E] eviction priority (Confidence: score) */
-    double *masked, *stable, *current;       /* [L, E] Confidence evidence */
-    double ret_a, ret_b;                     /* LFU: decay; EMA: alpha; Confidence: now, scale */
-    int64_t comp_kind, comp_int;             /* interval / learn_blocks */
-    double comp_a;                           /* future weight x horizon / min_tokens */
-    double *learned;                         /* [L, E] StaticHot profile */
-    uint8_t *loaded, *seen;                  /* [L] StaticHot */
-    double copy_per, copy_fixed, cpu_fixed, cpu_tok;
-    int64_t *scratch;  /* (N_SCRATCH + N_OUT) x (E + 1) */
-    int64_t *ids; /* [routing_cap] this forward's routing, flat */
-    double *weights;
-    int64_t routing_cap;
-    int64_t *out; /* HEADER + N_OUT x (E + 1) + E / 2 + 1 */
-    int64_t *maps; /* [L, map_rows, E] slot maps for the engine, or NULL */
-    int64_t map_rows;
-};
-
-/* The columns of Bind.stats' rows: oled.policies.planner.COUNTERS, in order. */
-enum { ST_PLANS, ST_REQUESTS, ST_HITS, ST_MISSES, ST_COPIES, ST_PREFETCHES, ST_STAGED,
-       ST_CPU_EXPERTS, ST_CPU_TOKENS, ST_EVICTIONS, ST_PREDICTED, ST_PREDICTED_HITS, N_STATS };
 
 typedef struct {
     const Bind *b;
@@ -100,8 +66,8 @@ static void measure(const Layer *L, int64_t n_needed) {
     const Bind *b = L->b;
     int64_t l = L->layer, k = b->samples[l], E = L->E;
     double a = b->stats_alpha, n = (double)n_needed;
-    int64_t *prev = b->prev_used + l * E;
-    b->ws[l] = k == 0 ? n : b->ws[l] + a * (n - b->ws[l]);
+    int64_t *prev = b->last_counts + l * E;
+    b->working_set[l] = k == 0 ? n : b->working_set[l] + a * (n - b->working_set[l]);
     if (k) {
         int64_t both = 0;
         for (int64_t e = 0; e < E; e++) both += L->counts[e] && prev[e];
@@ -131,13 +97,13 @@ static void route(const Layer *L, const int64_t *ids, const double *w, int64_t n
         for (int64_t i = 0; i < n_hits; i++) p[hits[i]] = (double)L->step;
         break;
     case RET_LFU:
-        if (b->ret_a != 1.0)
-            for (int64_t e = 0; e < E; e++) p[e] *= b->ret_a;
+        if (b->lfu.decay != 1.0)
+            for (int64_t e = 0; e < E; e++) p[e] *= b->lfu.decay;
         for (int64_t e = 0; e < E; e++)
-            if (L->counts[e]) p[e] += b->ret_flag ? (double)L->counts[e] : 1.0;
+            if (L->counts[e]) p[e] += b->lfu.per_token ? (double)L->counts[e] : 1.0;
         break;
-    case RET_SCORE_EMA: {
-        double *mass = dregion(b, S_MASS), keep = b->ret_a, add = 1.0 - b->ret_a;
+    case RET_EMA: {
+        double *mass = dregion(b, S_MASS), keep = b->ema.alpha, add = 1.0 - b->ema.alpha;
         gate_mass(mass, ids, w, n, E);
         for (int64_t e = 0; e < E; e++) p[e] *= keep;
         for (int64_t e = 0; e < E; e++) p[e] += add * mass[e];
@@ -147,7 +113,7 @@ static void route(const Layer *L, const int64_t *ids, const double *w, int64_t n
         double *cur = b->current + off, *m = b->masked + off, *s = b->stable + off;
         gate_mass(cur, ids, w, n, E);
         for (int64_t e = 0; e < E; e++) p[e] = m[e] + s[e];
-        for (int64_t e = 0; e < E; e++) p[e] += b->ret_a * cur[e];
+        for (int64_t e = 0; e < E; e++) p[e] += b->confidence.now_weight * cur[e];
         break;
     }
     }
@@ -169,11 +135,11 @@ static void reuse(const Layer *L, const int64_t *experts, int64_t n, double *out
         for (int64_t i = 0; i < n; i++) out[i] = p[experts[i]] / top;
         break;
     }
-    case RET_SCORE_EMA:
+    case RET_EMA:
         for (int64_t i = 0; i < n; i++) out[i] = p[experts[i]] / (p[experts[i]] + 0.1);
         break;
     case RET_CONFIDENCE: {
-        double scale = -1.0 / b->ret_b;
+        double scale = -1.0 / b->confidence.reuse_scale;
         for (int64_t i = 0; i < n; i++)
             out[i] = 1.0 - (double)expl((long double)(p[experts[i]] * scale));
         break;
@@ -211,13 +177,14 @@ static int64_t refresh(const Layer *L, int64_t block, int64_t *out) {
     int64_t E = L->E, l = L->layer;
     double *key = dregion(b, S_KEY);
     if (b->comp_kind == COMP_INTERVAL) {
-        if (L->step % b->comp_int) return -1;
+        if (L->step % b->interval.interval) return -1;
         for (int64_t e = 0; e < E; e++) key[e] = (double)L->counts[e];
-        return top_experts(L, key, b->comp_a > 1.0 ? b->comp_a : 1.0, 0, out);
+        double lo = b->interval.min_tokens;
+        return top_experts(L, key, lo > 1.0 ? lo : 1.0, 0, out);
     }
     if (b->comp_kind != COMP_STATIC_HOT || b->loaded[l]) return -1;
     double *acc = b->learned + l * E;
-    if (block < b->comp_int) {
+    if ((double)block < b->static_hot.learn_blocks) {
         for (int64_t e = 0; e < E; e++) acc[e] += (double)L->counts[e];
         b->seen[l] = 1;
         return -1;
@@ -276,7 +243,7 @@ static void decide(const Layer *L, const int64_t *rest, int64_t n, const double 
         return;
     }
     if (kind == COMP_BATCH) {
-        for (int64_t i = 0; i < n; i++) copy[i] = (double)L->counts[rest[i]] >= b->comp_a;
+        for (int64_t i = 0; i < n; i++) copy[i] = (double)L->counts[rest[i]] >= b->batch.min_tokens;
         return;
     }
     double *cpu_cost = dregion(b, S_KEY), *future = NULL;
@@ -285,7 +252,8 @@ static void decide(const Layer *L, const int64_t *rest, int64_t n, const double 
         double c = b->cpu_fixed + b->cpu_tok * (double)L->counts[rest[i]];
         cpu_cost[i] = kind == COMP_COOPERATIVE ? slowdown * c : c;
     }
-    if ((kind == COMP_MAKESPAN || b->comp_a >= 0) &&
+    double future_weight = b->cooperative.future_weight * b->cooperative.horizon;
+    if ((kind == COMP_MAKESPAN || future_weight >= 0) &&
         copy_all_best(b, cpu_cost, n, copy_q, cpu_q)) {
         memset(copy, 1, (size_t)n);
         return;
@@ -296,7 +264,7 @@ static void decide(const Layer *L, const int64_t *rest, int64_t n, const double 
         rank = dregion(b, S_LEFT); /* free until best_split */
         for (int64_t i = 0; i < n; i++) {
             double miss_again = cpu_cost[i] < b->copy_per ? cpu_cost[i] : b->copy_per;
-            future[i] = b->comp_a * reuse_of[i] * miss_again;
+            future[i] = future_weight * reuse_of[i] * miss_again;
             rank[i] = cpu_cost[i] + future[i];
         }
     }
@@ -356,18 +324,16 @@ static int64_t write_maps(const Bind *b, int64_t layer, const int32_t *slot_of,
     return rows;
 }
 
-/* The buffer lengths (int64s) for E experts: lens = {scratch, out, header}; the Python side
+/* The buffer lengths (int64s) for E experts: lens = {scratch, out}; the Python side
  * allocates from these, so they live here only. */
 void oled_layout(int64_t E, int64_t *lens) {
     lens[0] = (N_SCRATCH + N_OUT) * (E + 1);
-    lens[1] = HEADER + N_OUT * (E + 1) + (E + 1) / 2;
-    lens[2] = HEADER;
+    lens[1] = H_SIZE + N_OUT * (E + 1) + (E + 1) / 2;
 }
 
 /* The plan's arrays (sizes n[i]) and the layer's slot map packed into b->out. */
-static void pack(const Bind *b, int64_t *o, const int64_t *n, const int32_t *slot_of,
-                 int64_t n_free) {
-    int64_t E = b->num_experts, *h = b->out, at = HEADER;
+static void pack(const Bind *b, int64_t *o, const int64_t *n, const int32_t *slot_of) {
+    int64_t E = b->num_experts, *h = b->out, at = H_SIZE;
     for (int i = 0; i < N_OUT; i++) {
         h[i] = at;
         memcpy(b->out + at, region(o, E, i), (size_t)n[i] * sizeof(int64_t));
@@ -376,7 +342,6 @@ static void pack(const Bind *b, int64_t *o, const int64_t *n, const int32_t *slo
     h[H_SLOT_MAP] = at;
     memcpy(b->out + at, slot_of, (size_t)E * sizeof(int32_t));
     h[H_END] = at + (E + 1) / 2;
-    h[H_FREE] = n_free;
 }
 
 /* The routing of n pairs, ids int64 and weights fp32 (as the engine reads them back from the
@@ -395,11 +360,9 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
     int64_t E = b->num_experts, *sc = b->scratch, *o = region(sc, E, N_SCRATCH);
     const int64_t *ids = b->ids;
     const double *w = b->weights;
-    Layer L = {b, layer, step, E, b->capacity[layer], (int32_t *)(intptr_t)b->slot_of[layer],
-               (int32_t *)(intptr_t)b->expert_in[layer], region(o, E, OUT_COUNTS),
-               b->priority + layer * E};
-    int64_t n_free = 0; /* the cache's free slots (ExpertCache.n_free) */
-    for (int64_t s = 0; s < L.cap; s++) n_free += L.expert_in[s] < 0;
+    Layer L = {b, layer, step, E, b->capacity[layer], b->slot_of + layer * E,
+               b->expert_in + layer * E, region(o, E, OUT_COUNTS), b->priority + layer * E};
+    int64_t n_free = b->n_free[layer]; /* the cache's free slots (ExpertCache.n_free) */
     int64_t *counts = L.counts, *hits = region(o, E, OUT_HITS), *misses = region(o, E, OUT_MISSES);
     memset(counts, 0, (size_t)E * sizeof(int64_t));
     for (int64_t i = 0; i < n; i++) {
@@ -433,7 +396,7 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
         for (int64_t i = 0; i < n_misses; i++)
             if (!loading[misses[i]]) rest[n_rest++] = misses[i];
     }
-    int64_t *want = region(sc, E, S_WANT), *cpu = region(o, E, OUT_CPU_E), n_want = 0, n_cpu = 0;
+    int64_t *want = region(sc, E, S_WANT), *cpu = region(o, E, OUT_CPU_EXPERTS), n_want = 0, n_cpu = 0;
     double *reuse_of = dregion(b, S_REUSE), *want_reuse = dregion(b, S_WANT_REUSE);
     if (n_rest) {
         reuse(&L, rest, n_rest, reuse_of);
@@ -449,7 +412,7 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
     }
 
     /* cache slots: free ones first, then victims */
-    int64_t *copy_e = region(o, E, OUT_COPY_E), *copy_s = region(o, E, OUT_COPY_S);
+    int64_t *copy_e = region(o, E, OUT_COPY_EXPERTS), *copy_s = region(o, E, OUT_COPY_SLOTS);
     int64_t *evicted = region(o, E, OUT_EVICTED), n_evicted = 0;
     int64_t n_order = n_prefetch + n_want;
     int64_t n_cache = room(&L, n_order, n_free, protect, copy_s, evicted, &n_evicted);
@@ -471,7 +434,7 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
     }
 
     /* overflow: needed copies through the stage, or to the CPU without one */
-    int64_t *stage_e = region(o, E, OUT_STAGE_E), *stage_s = region(o, E, OUT_STAGE_S);
+    int64_t *stage_e = region(o, E, OUT_STAGE_EXPERTS), *stage_s = region(o, E, OUT_STAGE_SLOTS);
     int64_t n_stage = 0;
     for (int64_t i = n_cache; i < n_order; i++)
         if (counts[order[i]]) {
@@ -480,14 +443,14 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
         }
     for (int64_t i = 0, cap = b->stage_capacity; i < n_stage; i++) /* round i / cap's part */
         stage_s[i] = i % cap + cap * (i / cap % STAGE_ROUNDS);
-    int64_t *gpu = region(o, E, OUT_GPU), n_gpu = n_hits;
+    int64_t *gpu = region(o, E, OUT_GPU_EXPERTS), n_gpu = n_hits;
     memcpy(gpu, hits, (size_t)n_hits * sizeof(int64_t));
     for (int64_t i = 0; i < n_cache; i++)
         if (!n_prefetch || counts[copy_e[i]]) gpu[n_gpu++] = copy_e[i];
-    int64_t *cpu_t = region(o, E, OUT_CPU_T), cpu_tokens = 0;
+    int64_t *cpu_t = region(o, E, OUT_CPU_TOKENS), cpu_tokens = 0;
     for (int64_t i = 0; i < n_cpu; i++) cpu_tokens += cpu_t[i] = counts[cpu[i]];
 
-    int64_t *row = b->stats + layer * N_STATS;
+    int64_t *row = b->counters + layer * N_STATS;
     int64_t n_copied = n_gpu - n_hits;
     row[ST_PLANS] += 1;
     row[ST_REQUESTS] += n_hits + n_misses;
@@ -501,81 +464,10 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
     row[ST_EVICTIONS] += n_evicted;
     int64_t sizes[N_OUT] = {n_hits, n_misses, n_gpu, n_cache, n_cache, n_stage, n_stage,
                             n_cpu, n_cpu, n_evicted, E};
-    pack(b, o, sizes, L.slot_of, n_free);
+    b->n_free[layer] = n_free;
+    pack(b, o, sizes, L.slot_of);
     b->out[H_MAP_ROWS] = b->maps ? write_maps(b, layer, L.slot_of, copy_e, copy_s, n_cache,
                                              stage_e, stage_s, n_stage)
                                 : 0;
     return 0;
-}
-
-/* -- the contract: what the Python mirrors are checked against on load (oled.policies.native) */
-
-static const ContractRow BIND_FIELDS[] = {
-    FIELD(Bind, num_layers), FIELD(Bind, num_experts), FIELD(Bind, stage_capacity),
-    FIELD(Bind, stats_alpha), FIELD(Bind, slot_of), FIELD(Bind, expert_in), FIELD(Bind, capacity),
-    FIELD(Bind, ws), FIELD(Bind, reuse), FIELD(Bind, samples), FIELD(Bind, prev_used),
-    FIELD(Bind, stats), FIELD(Bind, ret_kind), FIELD(Bind, ret_flag), FIELD(Bind, priority),
-    FIELD(Bind, masked), FIELD(Bind, stable), FIELD(Bind, current), FIELD(Bind, ret_a),
-    FIELD(Bind, ret_b), FIELD(Bind, comp_kind), FIELD(Bind, comp_int), FIELD(Bind, comp_a),
-    FIELD(Bind, learned), FIELD(Bind, loaded), FIELD(Bind, seen), FIELD(Bind, copy_per),
-    FIELD(Bind, copy_fixed), FIELD(Bind, cpu_fixed), FIELD(Bind, cpu_tok), FIELD(Bind, scratch),
-    FIELD(Bind, ids), FIELD(Bind, weights), FIELD(Bind, routing_cap), FIELD(Bind, out),
-    FIELD(Bind, maps), FIELD(Bind, map_rows),
-};
-/* The policy classes (oled.policies.retention, .compensation) each kind implements. */
-static const ContractRow RETENTION_KINDS[] = {
-    ENTRY("LRURetention", RET_LRU), ENTRY("LFURetention", RET_LFU),
-    ENTRY("ScoreEMARetention", RET_SCORE_EMA), ENTRY("ConfidenceRetention", RET_CONFIDENCE),
-};
-static const ContractRow COMPENSATION_KINDS[] = {
-    ENTRY("TransferOnly", COMP_TRANSFER), ENTRY("Resident", COMP_TRANSFER),
-    ENTRY("CpuOnly", COMP_CPU), ENTRY("BatchThreshold", COMP_BATCH),
-    ENTRY("MakespanCompensation", COMP_MAKESPAN),
-    ENTRY("CooperativeCompensation", COMP_COOPERATIVE), ENTRY("IntervalRefresh", COMP_INTERVAL),
-    ENTRY("StaticHot", COMP_STATIC_HOT),
-};
-static const ContractRow COUNTER_NAMES[] = {
-    ENTRY("plans", ST_PLANS), ENTRY("requests", ST_REQUESTS), ENTRY("hits", ST_HITS),
-    ENTRY("misses", ST_MISSES), ENTRY("copies", ST_COPIES), ENTRY("prefetches", ST_PREFETCHES),
-    ENTRY("staged", ST_STAGED), ENTRY("cpu_experts", ST_CPU_EXPERTS),
-    ENTRY("cpu_tokens", ST_CPU_TOKENS), ENTRY("evictions", ST_EVICTIONS),
-    ENTRY("predicted", ST_PREDICTED), ENTRY("predicted_hits", ST_PREDICTED_HITS),
-};
-static const ContractRow REGION_NAMES[] = {
-    ENTRY("hits", OUT_HITS), ENTRY("misses", OUT_MISSES), ENTRY("gpu_experts", OUT_GPU),
-    ENTRY("copy_experts", OUT_COPY_E), ENTRY("copy_slots", OUT_COPY_S),
-    ENTRY("stage_experts", OUT_STAGE_E), ENTRY("stage_slots", OUT_STAGE_S),
-    ENTRY("cpu_experts", OUT_CPU_E), ENTRY("cpu_tokens", OUT_CPU_T),
-    ENTRY("evicted", OUT_EVICTED), ENTRY("counts", OUT_COUNTS),
-};
-static const ContractRow HEADER_NAMES[] = {
-    ENTRY("slot_map", H_SLOT_MAP), ENTRY("end", H_END), ENTRY("free", H_FREE),
-    ENTRY("map_rows", H_MAP_ROWS),
-};
-static const ContractRow MAP_NAMES[] = {
-    ENTRY("hit", MAP_HIT), ENTRY("copied", MAP_COPIED), ENTRY("staged", MAP_STAGED),
-    ENTRY("stage rounds", STAGE_ROUNDS),
-};
-_Static_assert(N_ROWS(COUNTER_NAMES) == N_STATS, "every counter has a name");
-_Static_assert(N_ROWS(REGION_NAMES) == N_OUT, "every region has a name");
-_Static_assert(H_MAP_ROWS < HEADER, "the header's fields fit it");
-
-static const Contract CONTRACT[] = {
-    STRUCT(Bind, BIND_FIELDS),
-    TABLE("retention kinds", RETENTION_KINDS),
-    TABLE("compensation kinds", COMPENSATION_KINDS),
-    TABLE("counters", COUNTER_NAMES),
-    TABLE("regions", REGION_NAMES),
-    TABLE("header", HEADER_NAMES),
-    TABLE("slot-map rows", MAP_NAMES),
-};
-
-int64_t oled_plan_contract(const Contract **out) {
-    *out = CONTRACT;
-    return N_ROWS(CONTRACT);
-}
-
-void oled_contract_sizes(int64_t *sizes) {
-    sizes[0] = (int64_t)sizeof(ContractRow);
-    sizes[1] = (int64_t)sizeof(Contract);
 }

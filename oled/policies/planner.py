@@ -28,26 +28,42 @@ from oled.policies.base import (
     RetentionPolicy,
     StepContext,
 )
+from oled.policies.state import COUNTERS, MAP_ROWS, STAGE, PlanState, Stateful
 
 if TYPE_CHECKING:
     from oled.policies.native import CompiledPlan
 
-HIT, COPIED, STAGED = 0, 1, 2  # rows of a layer's expert -> slot maps; STAGED + round
-STAGE_ROUNDS = 2  # rounds the stage holds: one round's copies overlap the previous one's pass
+HIT, COPIED, STAGED = MAP_ROWS.at.hit, MAP_ROWS.at.copied, MAP_ROWS.at.staged  # STAGED + round
+STAGE_ROUNDS = STAGE.at.rounds  # one round's copies overlap the previous round's pass
+K = COUNTERS.at  # the counters' columns by name
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY_F = np.zeros(0, np.float64)
 _NO_LOAD = Load()
 
 
 class ExpertCache:
-    """Slot maps of one MoE layer's GPU expert cache."""
+    """One MoE layer's GPU expert cache: views of the layer's rows of the plan state.
+    Made empty with `capacity` slots (the layer's rows cleared)."""
 
-    def __init__(self, *, capacity: int, num_experts: int) -> None:
-        self.capacity = capacity
-        self.num_experts = num_experts
-        self.slot_of = np.full(num_experts, -1, np.int32)  # [E] expert -> slot, -1 = not cached
-        self.expert_in = np.full(capacity, -1, np.int32)  # [C] slot -> expert, -1 = free
+    def __init__(self, state: PlanState, layer: int, capacity: int) -> None:
+        self.layer, self.capacity = layer, capacity
+        self.num_experts = state.shape[1]
+        self._n_free = state.n_free
+        self.slot_of = state.slot_of[layer]  # [E] expert -> slot, -1 = not cached
+        self.slot_of[:] = -1
+        state.expert_in[layer] = -1
+        self.expert_in = state.expert_in[layer, :capacity]  # [C] slot -> expert, -1 = free
+        state.capacity[layer] = capacity
         self.n_free = capacity
+
+    @property
+    def n_free(self) -> int:
+        """Free slots."""
+        return int(self._n_free[self.layer])
+
+    @n_free.setter
+    def n_free(self, value: int) -> None:
+        self._n_free[self.layer] = value
 
     def cached(self) -> np.ndarray:
         """Ids of the cached experts (slot order)."""
@@ -123,24 +139,9 @@ class Resize:
     keep: np.ndarray  # [N, 2] int32
 
 
-COUNTERS = (  # PlannerStats' columns, in order (plan.c writes them by index)
-    "plans",
-    "requests",
-    "hits",
-    "misses",
-    "copies",
-    "prefetches",
-    "staged",
-    "cpu_experts",
-    "cpu_tokens",
-    "evictions",
-    "predicted",
-    "predicted_hits",
-)
-
-
 class PlannerStats:
-    """Per-layer counters; each name in `counters()` reads as an [L] int64 array.
+    """Per-layer counters (the plan state's, COUNTERS); each name in `counters()` reads as an
+    [L] int64 array.
 
     plans, requests (distinct experts needed), hits, misses, copies (into cache slots, incl.
     prefetches), prefetches (copies of experts that forward did not need), staged, cpu_experts,
@@ -148,21 +149,20 @@ class PlannerStats:
     in copies), predicted_hits (of those, experts the forward then needed).
     """
 
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
-        self.rows = [[0] * len(COUNTERS) for _ in range(num_layers)]  # plain ints: cheap updates
-        self.compiled = np.zeros((num_layers, len(COUNTERS)), np.int64)  # the compiled plans'
+    def __init__(self, counters: np.ndarray) -> None:
+        self.counters_array = counters  # [L, len(COUNTERS)]: the plan state's
+        self.num_layers = len(counters)
 
     def __getattr__(self, name: str) -> np.ndarray:
-        if name in COUNTERS:
-            i = COUNTERS.index(name)
-            return np.array([r[i] for r in self.rows], np.int64) + self.compiled[:, i]
-        raise AttributeError(name)
+        i = COUNTERS.entries.get(name)
+        if i is None:
+            raise AttributeError(name)
+        return self.counters_array[:, i].copy()
 
     @staticmethod
     def counters() -> tuple[str, ...]:
         """Names of the counters."""
-        return COUNTERS
+        return COUNTERS.names
 
     def hit_rate(self) -> float:
         """Hits over requests, all layers."""
@@ -170,7 +170,7 @@ class PlannerStats:
 
     def to_dict(self) -> dict[str, list[int]]:
         """JSON-friendly counters."""
-        return {n: getattr(self, n).tolist() for n in COUNTERS}
+        return {n: getattr(self, n).tolist() for n in COUNTERS.names}
 
 
 class CopyAhead:
@@ -257,15 +257,15 @@ class Planner:
         self.step = 0
         self.block = 0
         self.gpu_only = False  # every miss copied, whatever the compensation says
-        self.stats = PlannerStats(num_layers)
-        self._ws = np.zeros(num_layers)  # [L] EMA of distinct experts per forward
-        self._reuse = np.zeros(num_layers)  # [L] EMA of overlap with the previous forward
-        self._samples = np.zeros(num_layers, np.int64)  # [L]
-        self._prev_used = np.zeros((num_layers, num_experts), np.int64)  # [L, E] token counts
+        self.state = PlanState(num_layers=num_layers, num_experts=num_experts)  # once
+        self.stats = PlannerStats(self.state.counters)
+        for policy in (retention, compensation):
+            if isinstance(policy, Stateful):  # the built-ins: views of the plan state
+                policy.attach(self.state)
         retention.reset(num_layers=num_layers, num_experts=num_experts)
         compensation.reset(num_layers=num_layers, num_experts=num_experts)
         self.capacities = self._allocate(None)
-        self.caches = [ExpertCache(capacity=c, num_experts=num_experts) for c in self.capacities]
+        self.caches = [ExpertCache(self.state, i, c) for i, c in enumerate(self.capacities)]
         for layer, cap in enumerate(self.capacities):
             warm = compensation.prefill(layer=layer, capacity=cap)
             if warm is not None:
@@ -394,8 +394,6 @@ class Planner:
             if cap != self.capacities[layer]
         ]
         self.capacities = caps
-        if self.native is not None:
-            self.native.bind_caches()
         return resizes
 
     def _resize(self, layer: int, capacity: int) -> Resize:
@@ -407,13 +405,13 @@ class Planner:
             keep_mask = np.ones(self.num_experts, bool)
             keep_mask[drop] = False
             cached = cached[keep_mask[cached]]
-            self.stats.rows[layer][9] += len(drop)
-        old_slots = old.slot_of[cached].astype(np.int64)
+            self.state.counters[layer, K.evictions] += len(drop)
+        old_slots = old.slot_of[cached].astype(np.int64)  # a copy: the rows are cleared below
         stay = old_slots < capacity
         new_slots = old_slots.copy()
         free = np.setdiff1d(np.arange(capacity), old_slots[stay])
         new_slots[~stay] = free[: int((~stay).sum())]
-        new = ExpertCache(capacity=capacity, num_experts=self.num_experts)
+        new = ExpertCache(self.state, layer, capacity)
         new.place(cached, new_slots)
         self.caches[layer] = new
         keep = np.stack([old_slots, new_slots], axis=1).astype(np.int32)
@@ -556,20 +554,20 @@ class Planner:
     ) -> int:
         """Add a plan to the layer's counters (`n_copied`: the copied experts it needed);
         returns its predicted hits (CopyAhead.score)."""
-        row = self.stats.rows[layer]
+        c = self.state.counters[layer]
         predicted_hits = self.ahead.score(layer, counts)  # of those copied at the layer before
         n_cache, n_cpu = len(plan.copy_experts), len(plan.cpu_experts)
-        row[11] += predicted_hits
-        row[0] += 1
-        row[1] += n_needed
-        row[2] += len(plan.hits)
-        row[3] += len(plan.misses)
-        row[4] += n_cache
-        row[5] += n_cache - n_copied
-        row[6] += len(plan.stage_experts)
-        row[7] += n_cpu
-        row[8] += int(plan.cpu_tokens.sum()) if n_cpu else 0
-        row[9] += len(plan.evicted)
+        c[K.predicted_hits] += predicted_hits
+        c[K.plans] += 1
+        c[K.requests] += n_needed
+        c[K.hits] += len(plan.hits)
+        c[K.misses] += len(plan.misses)
+        c[K.copies] += n_cache
+        c[K.prefetches] += n_cache - n_copied
+        c[K.staged] += len(plan.stage_experts)
+        c[K.cpu_experts] += n_cpu
+        c[K.cpu_tokens] += int(plan.cpu_tokens.sum()) if n_cpu else 0
+        c[K.evictions] += len(plan.evicted)
         return predicted_hits
 
     def predicts(self, layer: int) -> bool:
@@ -597,10 +595,10 @@ class Planner:
             cache.place(experts, slots)
             self.retention.on_insert(layer, experts)
         self.ahead.remember(layer, experts, copied=True)
-        row = self.stats.rows[layer]
-        row[4] += len(experts)
-        row[9] += len(victims)
-        row[10] += len(experts)
+        c = self.state.counters[layer]
+        c[K.copies] += len(experts)
+        c[K.evictions] += len(victims)
+        c[K.predicted] += len(experts)
         return experts, slots
 
     def _room(self, layer: int, n: int, protect: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -662,43 +660,44 @@ class Planner:
         return prefetch, protect, rest[copy], reuse[copy], rest[~copy]
 
     def _measure(self, layer: int, counts: np.ndarray, needed: np.ndarray) -> None:
-        n, k, a = len(needed), int(self._samples[layer]), self.stats_alpha
-        ws = float(self._ws[layer])
-        self._ws[layer] = n if k == 0 else ws + a * (n - ws)
+        st = self.state
+        n, k, a = len(needed), int(st.samples[layer]), self.stats_alpha
+        ws = float(st.working_set[layer])
+        st.working_set[layer] = n if k == 0 else ws + a * (n - ws)
         if k:  # overlap needs a previous forward
-            overlap = int(np.count_nonzero(self._prev_used[layer][needed])) / n if n else 0.0
-            r = float(self._reuse[layer])
-            self._reuse[layer] = overlap if k == 1 else r + a * (overlap - r)
-        self._samples[layer] = k + 1
-        self._prev_used[layer] = counts  # nonzero where used
+            overlap = int(np.count_nonzero(st.last_counts[layer][needed])) / n if n else 0.0
+            r = float(st.reuse[layer])
+            st.reuse[layer] = overlap if k == 1 else r + a * (overlap - r)
+        st.samples[layer] = k + 1
+        st.last_counts[layer] = counts  # nonzero where used
 
-    # -- measurements: the arrays themselves, updated in place by every plan (the compiled
-    # planner binds their addresses); read them, never replace or write them
+    # -- measurements: the plan state's arrays, updated in place by every plan; read them
 
     @property
     def working_set(self) -> np.ndarray:
         """[L] float64: each layer's EMA of the distinct experts a forward needs."""
-        return self._ws
+        return self.state.working_set
 
     @property
     def reuse(self) -> np.ndarray:
         """[L] float64: each layer's EMA of the share of its experts the previous forward
         needed too."""
-        return self._reuse
+        return self.state.reuse
 
     @property
     def samples(self) -> np.ndarray:
         """[L] int64: the forwards each layer has measured."""
-        return self._samples
+        return self.state.samples
 
     @property
     def last_counts(self) -> np.ndarray:
         """[L, E] int64: each layer's tokens per expert in its last forward."""
-        return self._prev_used
+        return self.state.last_counts
 
     @property
     def layer_stats(self) -> LayerStats:
         """Measured working set and reuse per layer (what the allocation policy sees)."""
+        st = self.state
         return LayerStats(
-            working_set=self._ws.copy(), reuse=self._reuse.copy(), samples=self._samples.copy()
+            working_set=st.working_set.copy(), reuse=st.reuse.copy(), samples=st.samples.copy()
         )

@@ -1,6 +1,7 @@
 """Retention policies: which cached experts to evict, and how likely each is to be reused.
 
-State is kept per MoE layer as [L, E] numpy arrays; every hook is vectorised over experts.
+State is kept per MoE layer as [L, E] numpy arrays, views of the planner's plan state
+(oled.policies.state) that `reset` fills in place; every hook is vectorised over experts.
 """
 
 from __future__ import annotations
@@ -14,15 +15,19 @@ from oled.policies.base import (
     StepContext,
     lowest,
 )
+from oled.policies.state import InState, Kind, Stateful
 
 
-class _Scored(RetentionPolicy):
+class _Scored(Stateful, RetentionPolicy):
     """Retention with one priority per (layer, expert); victims have the lowest priority."""
+
+    priority = InState()  # [L, E]
 
     def reset(self, *, num_layers: int, num_experts: int) -> None:
         """Zero all priorities."""
         super().reset(num_layers=num_layers, num_experts=num_experts)
-        self.priority = np.zeros((num_layers, num_experts), np.float64)
+        self.own_state(num_layers=num_layers, num_experts=num_experts)
+        self.priority.fill(0.0)
         self.now = 0
 
     def victims(self, layer: int, candidates: np.ndarray, n: int) -> np.ndarray:
@@ -33,13 +38,15 @@ class _Scored(RetentionPolicy):
 class LRURetention(_Scored):
     """Evict the least recently used expert (mixtral-offloading's LRU cache)."""
 
+    compiled_as = Kind(1, "lru")
+
     def __init__(self) -> None:
         pass
 
     def reset(self, *, num_layers: int, num_experts: int) -> None:
         """Nothing used yet."""
         super().reset(num_layers=num_layers, num_experts=num_experts)
-        self.priority -= 1.0
+        self.priority.fill(-1.0)
 
     def route(self, layer: int, ids: np.ndarray, weights: np.ndarray, step: int = 0) -> None:
         """Every routed expert counts as used now."""
@@ -62,6 +69,8 @@ class LRURetention(_Scored):
 
 class LFURetention(_Scored):
     """Evict the least frequently used expert (MoE-Infinity-style activation counts)."""
+
+    compiled_as = Kind(2, "lfu", {"decay": "double", "per_token": "int64_t"})
 
     def __init__(self, *, decay: float = 1.0, per_token: bool = False) -> None:
         self.decay = decay  # multiply counts by this every forward (1.0 = plain LFU)
@@ -86,6 +95,8 @@ class LFURetention(_Scored):
 class ScoreEMARetention(_Scored):
     """Evict the lowest exponential moving average of gate scores (HybriMoE score-aware cache)."""
 
+    compiled_as = Kind(3, "ema", {"alpha": "double"})
+
     def __init__(self, *, alpha: float = 0.7) -> None:
         self.alpha = alpha  # weight of the history
 
@@ -106,7 +117,7 @@ class ScoreEMARetention(_Scored):
         return s / (s + 0.1)
 
 
-class ConfidenceRetention(RetentionPolicy):
+class ConfidenceRetention(Stateful, RetentionPolicy):
     """OLED: priority of a cached expert from its tokens' gate weights, decode state and confidence.
 
     Per observed forward each (token, expert) pair adds gate weight x a factor of the token:
@@ -118,6 +129,14 @@ class ConfidenceRetention(RetentionPolicy):
     `block_carry` while the masked part is kept x `masked_carry` (the next block's masked tokens
     route like the previous block's). Reuse = 1 - exp(-priority / reuse_scale).
     """
+
+    compiled_as = Kind(4, "confidence", {"now_weight": "double", "reuse_scale": "double"})
+
+    masked = InState()  # [L, E] evidence from masked tokens
+    stable = InState()  # [L, E] evidence from fixed / committed / prefix tokens
+    current = InState()  # [L, E] this forward's gate mass (seen at plan time)
+    score = InState("priority")  # [L, E] masked + stable + now_weight x current
+    block = InState("last_block")  # [L] the block each layer last observed
 
     def __init__(
         self,
@@ -149,12 +168,10 @@ class ConfidenceRetention(RetentionPolicy):
     def reset(self, *, num_layers: int, num_experts: int) -> None:
         """Zero all evidence."""
         super().reset(num_layers=num_layers, num_experts=num_experts)
-        shape = (num_layers, num_experts)
-        self.masked = np.zeros(shape)  # evidence from masked tokens
-        self.stable = np.zeros(shape)  # evidence from fixed / committed / prefix tokens
-        self.current = np.zeros(shape)  # this forward's gate mass (seen at plan time)
-        self.score = np.zeros(shape)  # masked + stable + now_weight x current
-        self.block = np.full(num_layers, -1, np.int64)
+        self.own_state(num_layers=num_layers, num_experts=num_experts)
+        for evidence in (self.masked, self.stable, self.current, self.score):
+            evidence.fill(0.0)
+        self.block.fill(-1)
 
     def route(self, layer: int, ids: np.ndarray, weights: np.ndarray, step: int = 0) -> None:
         """Remember this forward's gate mass per expert (feeds `reuse` of the misses)."""

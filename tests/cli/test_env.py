@@ -70,7 +70,7 @@ def test_planner_row_says_whether_plans_run_compiled(monkeypatch):
 
     report = env.Report()
     assert env.planner_row(report).startswith("compiled") and not report.failures
-    monkeypatch.setattr(native, "_load", lambda: native.NativeUnavailable("no C compiler found"))
+    monkeypatch.setattr(native.LIBRARY, "_loaded", native.NativeUnavailable("no C compiler found"))
     assert env.planner_row(report) == "Python (compiled planner unavailable: no C compiler found)"
     assert not report.failures
 

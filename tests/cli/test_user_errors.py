@@ -128,7 +128,7 @@ def test_the_compiled_planner_without_a_c_compiler(tmp_path, monkeypatch):
     python = tiny_recipe(
         tmp_path, 'planner = "python"\nbudget = { expert_fraction = 0.5 }', "p.toml"
     )
-    native._load.cache_clear()
+    native.LIBRARY.forget()
     try:
         line = one_error(runner.invoke(app, ["generate", "hi", "--recipe", str(compiled)]))
         assert "no C compiler found (tried $CC=/nonexistent, gcc on $PATH)" in line
@@ -136,7 +136,7 @@ def test_the_compiled_planner_without_a_c_compiler(tmp_path, monkeypatch):
         result = runner.invoke(app, ["generate", "hi", "--recipe", str(python)])
         assert result.exit_code == 0, result.output
     finally:
-        native._load.cache_clear()
+        native.LIBRARY.forget()
 
 
 def test_cp_keeps_an_edited_copy_unless_forced(tmp_path):

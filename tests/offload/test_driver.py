@@ -12,10 +12,13 @@ import itertools
 import numpy as np
 import pytest
 
+from oled import clib
 from oled.offload import driver
-from oled.offload.driver import COUNTS, Call, Drive
+from oled.offload.drive_state import COUNTS, DRIVE_PART
+from oled.offload.driver import Call, Drive
 from oled.offload.encoded import PARTS
 from oled.offload.launches import launch_layer
+from oled.offload.metrics import FIELDS
 from oled.policies import compensation as C
 from oled.policies import native
 from oled.policies import retention as R
@@ -105,7 +108,7 @@ def setup(compensation, *, batch_min: int = 0):
     maps = np.full((L, p.slot_map_rows, E), -1, np.int64)
     p.attach_maps(maps)
     rt = Runtime()
-    counts = np.zeros((L, len(COUNTS)))
+    counts = np.zeros((L, len(COUNTS.entries)))
     keep = dict(
         counts=counts,
         log=np.zeros((256, 4), np.int64),
@@ -318,8 +321,8 @@ def test_staged_rounds_wait_only_for_their_part_of_the_stage():
 def test_counts_and_collected_times_match_the_plans():
     p, d, call, rt, (keep, _, _, routing) = setup(C.TransferOnly())
     ref, rng = ctypes.byref(d), np.random.default_rng(1)
-    want = np.zeros((L, len(COUNTS)))
-    col = {name: i for i, name in enumerate(COUNTS)}
+    want = np.zeros((L, len(COUNTS.entries)))
+    col = COUNTS.index
     copy_launches = 0  # the cache's copies and each staged round: each timed and waited for
     for layer in range(L):
         p.begin_step(step=0, block=0)
@@ -475,33 +478,28 @@ def _swapped(struct: type[ctypes.Structure], i: int, j: int) -> type[ctypes.Stru
 
 
 def test_the_drive_contract_holds_and_names_every_field():
-    reported = native.contract(driver.library(), "drive")
+    reported = clib.contract(driver.library(), "drive")
     assert [f for f, *_ in reported["Drive"].rows] == [f for f, _ in Drive._fields_]
     assert reported["Call"].size == ctypes.sizeof(Call)
-    assert [n for n, *_ in reported["counts"].rows] == list(COUNTS)
+    assert [n for n, *_ in reported["counts"].rows] == list(FIELDS)  # the engine metrics'
+    assert {t.name for t in DRIVE_PART.tables} == {"counts", "landing"}
 
 
-def test_a_drive_mirror_with_two_fields_swapped_is_refused_on_load(monkeypatch):
-    monkeypatch.setattr(driver, "Drive", _swapped(Drive, 2, 3))
-    driver._checked.cache_clear()
-    try:
-        with pytest.raises(
-            native.ContractError,
-            match=r"drive.c and its ctypes mirror disagree "
-            r"on Drive field 2: C has 'record' at offset 16 \(8 bytes\), the "
-            r"mirror 'wait' at offset 16 \(8 bytes\)",
-        ):
-            driver.library()
-    finally:
-        monkeypatch.undo()
-        driver._checked.cache_clear()
-    driver.library()
+def test_a_drive_mirror_with_two_fields_swapped_is_refused():
+    structs = {"Drive": _swapped(Drive, 2, 3), "Call": Call}
+    with pytest.raises(
+        clib.ContractError,
+        match=r"drive.c and its ctypes mirror disagree "
+        r"on Drive field 2: C has 'record' at offset 16 \(8 bytes\), the "
+        r"mirror 'wait' at offset 16 \(8 bytes\)",
+    ):
+        clib.check(driver.library(), "drive", structs, {t.name: t.index for t in DRIVE_PART.tables})
 
 
 def test_a_counts_table_out_of_order_is_refused():
-    wrong = {name: i for i, name in enumerate(COUNTS)} | {"hits": 1, "misses": 0}
-    with pytest.raises(native.ContractError, match="on the counts: 'hits' is 0 in C, 1 in Python"):
-        native.check(
+    wrong = COUNTS.index | {"hits": 1, "misses": 0}
+    with pytest.raises(clib.ContractError, match="on the counts: 'hits' is 0 in C, 1 in Python"):
+        clib.check(
             driver.library(),
             "drive",
             {"Drive": Drive, "Call": Call},

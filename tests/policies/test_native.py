@@ -10,11 +10,13 @@ import os
 import numpy as np
 import pytest
 
+from oled import clib
 from oled.policies import compensation as C
 from oled.policies import native
 from oled.policies import retention as R
 from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
 from oled.policies.base import CostModel, Load, RetentionPolicy, StepContext
+from oled.policies.native import BIND, PLAN
 from oled.policies.planner import Planner
 
 L, E, K = 4, 32, 4
@@ -184,7 +186,7 @@ def test_without_a_compiler_the_planner_warns_and_plans_in_python(tmp_path, monk
     monkeypatch.setenv("OLED_HOME", str(tmp_path))  # nothing built there
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, no gcc
     monkeypatch.setenv("CC", "no-such-cc")
-    native._load.cache_clear()
+    native.LIBRARY.forget()
     try:
         with pytest.warns(UserWarning, match="no C compiler found"):
             assert not planner("lru", "transfer", SETUPS[0], compiled=None).compiled
@@ -195,7 +197,7 @@ def test_without_a_compiler_the_planner_warns_and_plans_in_python(tmp_path, monk
         assert "no C compiler found (tried $CC=no-such-cc, gcc on $PATH)" in message
         assert 'runtime.planner = "python"' in message and "\n" not in message
     finally:
-        native._load.cache_clear()
+        native.LIBRARY.forget()
     assert os.listdir(tmp_path) == []
 
 
@@ -206,78 +208,93 @@ def _swapped(struct: type[ctypes.Structure], i: int, j: int) -> type[ctypes.Stru
     return type("Swapped", (ctypes.Structure,), {"_fields_": fields})
 
 
+def _mirrors(**structs: type[ctypes.Structure]) -> tuple[dict, dict]:
+    """plan.c's mirrors (structs by name, tables), with `structs` in place of the described."""
+    mine = {s.name: s.ctype for s in PLAN.structs}
+    return {**mine, **structs}, {t.name: t.index for t in PLAN.tables}
+
+
 def test_the_plan_contract_holds_and_names_every_field() -> None:
     lib = native.library()  # loading checked it
-    native.check(lib, "plan", {"Bind": native.Bind}, native.plan_tables())
-    bind = native.contract(lib, "plan")["Bind"]
-    assert [f for f, *_ in bind.rows] == [f for f, _ in native.Bind._fields_]
-    assert bind.size == ctypes.sizeof(native.Bind)
+    clib.check(lib, "plan", *_mirrors())
+    bind = clib.contract(lib, "plan")["Bind"]
+    assert [f for f, *_ in bind.rows] == [f.name for f in BIND.fields]
+    assert bind.size == ctypes.sizeof(BIND.ctype)
+
+
+def test_the_plan_header_comes_from_the_state_description() -> None:
+    header = PLAN.header()
+    assert "typedef struct Bind {" in header and "    int32_t *slot_of; /* [L, E]" in header
+    assert "ST_PREDICTED_HITS = 11" in header and "N_STATS = 12" in header
+    assert "LfuParams lfu;" in header and "    double decay;" in header
 
 
 def test_a_bind_mirror_with_two_fields_swapped_is_refused() -> None:
     with pytest.raises(
-        native.ContractError,
+        clib.ContractError,
         match=r"plan.c and its ctypes mirror disagree on "
         r"Bind field 4: C has 'slot_of' at offset 32 \(8 bytes\), the mirror "
         r"'expert_in' at offset 32 \(8 bytes\)",
     ):
-        native.check(
-            native.library(), "plan", {"Bind": _swapped(native.Bind, 4, 5)}, native.plan_tables()
-        )
+        clib.check(native.library(), "plan", *_mirrors(Bind=_swapped(BIND.ctype, 4, 5)))
 
 
 def test_a_bind_mirror_with_a_narrower_field_is_refused() -> None:
-    fields = [(f, ctypes.c_int32 if f == "ret_flag" else t) for f, t in native.Bind._fields_]
+    fields = [(f, ctypes.c_int32 if f == "ret_kind" else t) for f, t in BIND.ctype._fields_]
     narrow = type("Narrow", (ctypes.Structure,), {"_fields_": fields})
+    i = [f for f, _ in fields].index("ret_kind")
+    at = BIND.ctype.ret_kind.offset
     with pytest.raises(
-        native.ContractError,
-        match=r"Bind field 13: C has 'ret_flag' at offset "
-        r"104 \(8 bytes\), the mirror 'ret_flag' at offset 104 \(4 bytes\)",
+        clib.ContractError,
+        match=rf"Bind field {i}: C has 'ret_kind' at offset "
+        rf"{at} \(8 bytes\), the mirror 'ret_kind' at offset {at} \(4 bytes\)",
     ):
-        native.check(native.library(), "plan", {"Bind": narrow}, native.plan_tables())
+        clib.check(native.library(), "plan", *_mirrors(Bind=narrow))
+
+
+def _replace_table(name: str, **entries: int | None) -> clib.Part:
+    """PLAN with table `name`'s entries changed (None: left out)."""
+    table = next(t for t in PLAN.tables if t.name == name)
+    changed = {k: v for k, v in {**table.entries, **entries}.items() if v is not None}
+    new = dataclasses.replace(table, entries=changed)
+    return dataclasses.replace(PLAN, tables=tuple(new if t is table else t for t in PLAN.tables))
 
 
 @pytest.mark.parametrize(
-    ("name", "patch", "message"),
+    ("part", "message"),
     [
         (
-            "RETENTION",
-            {**native.RETENTION, R.LFURetention: 3},
+            _replace_table("retention kinds", LFURetention=3),
             "on the retention kinds: 'LFURetention' is 2 in C, 3 in Python",
         ),
         (
-            "COMPENSATION",
-            {k: v for k, v in native.COMPENSATION.items() if k is not C.StaticHot},
+            _replace_table("compensation kinds", StaticHot=None),
             "on the compensation kinds: 'StaticHot' is 7 in C, missing in Python",
         ),
         (
-            "REGIONS",
-            ("misses", "hits", *native.REGIONS[2:]),
+            _replace_table("regions", hits=1, misses=0),
             "on the regions: 'hits' is 0 in C, 1 in Python",
         ),
     ],
 )
-def test_a_wrong_table_is_refused_on_load(monkeypatch, name, patch, message) -> None:
-    """The library is not loaded (so no plan runs compiled) while a table disagrees, and no
-    planner mode hides that by planning in Python."""
-    monkeypatch.setattr(native, name, patch)
-    native._load.cache_clear()
-    try:
-        with pytest.raises(native.ContractError, match=message):
-            native.library()
-        with pytest.raises(native.ContractError, match=message):
-            planner("lru", "transfer", SETUPS[0], compiled=None)
-    finally:
-        monkeypatch.undo()
-        native._load.cache_clear()
+def test_a_library_built_from_another_description_is_refused(monkeypatch, part, message) -> None:
+    """A loaded library whose tables differ from the description (a stale build) is refused
+    wherever it is asked for, and no planner mode hides that by planning in Python."""
+    native.library()  # built and loaded from the description
+    monkeypatch.setattr(native.LIBRARY, "parts", (part,))
+    with pytest.raises(clib.ContractError, match=message):
+        native.library()
+    with pytest.raises(clib.ContractError, match=message):
+        planner("lru", "transfer", SETUPS[0], compiled=None)
+    monkeypatch.undo()
     assert planner("lru", "transfer", SETUPS[0], compiled=None).compiled
 
 
 def test_structs_and_tables_left_unchecked_are_refused() -> None:
     with pytest.raises(
-        native.ContractError,
+        clib.ContractError,
         match=r"name different structs and tables: "
-        r"\['Bind', 'counters'",
+        r"\['BatchParams', 'Bind'",
     ):
-        tables = {k: v for k, v in native.plan_tables().items() if k != "counters"}
-        native.check(native.library(), "plan", {}, tables)
+        tables = {k: v for k, v in _mirrors()[1].items() if k != "counters"}
+        clib.check(native.library(), "plan", {}, tables)
