@@ -80,6 +80,11 @@ class Field:
     ctype: str | Struct
     doc: str = ""
 
+    @classmethod
+    def many(cls, ctype: str, names: str, doc: str = "") -> tuple[Field, ...]:
+        """Fields of one C type, named in `names` (space-separated); `doc` goes with the first."""
+        return tuple(cls(n, ctype, doc if i == 0 else "") for i, n in enumerate(names.split()))
+
     @property
     def mirror(self) -> type[Any]:
         """The field's ctypes type."""

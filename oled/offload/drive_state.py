@@ -10,12 +10,6 @@ from oled.clib import Field, Part, Struct, Table
 from oled.offload.encoded import PARTS
 from oled.offload.metrics import FIELDS
 
-
-def _fields(ctype: str, names: str, doc: str = "") -> tuple[Field, ...]:
-    """Fields of one C type; `doc` goes with the first."""
-    return tuple(Field(n, ctype, doc if i == 0 else "") for i, n in enumerate(names.split()))
-
-
 COUNTS = Table.of(
     "counts",
     "C",
@@ -35,33 +29,33 @@ DRIVE = Struct(
         Field("launch", "graph_fn"),
         Field("create", "create_fn"),
         Field("elapsed", "elapsed_fn"),
-        *_fields("int64_t", "batch_abi batch_min", "12 or 13; batch from this many (0: never)"),
+        *Field.many("int64_t", "batch_abi batch_min", "12 or 13; batch from this many (0: never)"),
         Field("batch_attrs", "void *", "one cudaMemcpyAttributes for every copy"),
-        *_fields("void *", "compute copy", "streams"),
-        *_fields("int64_t *", "src13 src2 cache13 cache2", "[L] table base addresses"),
-        *_fields("int64_t", "stage13 stage2 size13 size2", "stage tables; bytes per expert"),
+        *Field.many("void *", "compute copy", "streams"),
+        *Field.many("int64_t *", "src13 src2 cache13 cache2", "[L] table base addresses"),
+        *Field.many("int64_t", "stage13 stage2 size13 size2", "stage tables; bytes per expert"),
         Field("stage_capacity", "int64_t", "experts per staged round"),
         Field("bind", "const Bind *", "the planner's (plan.c)"),
         Field("out", "const int64_t *", "its output: header, then the plan's arrays"),
-        *_fields("int64_t", "maps_host maps_dev map_rows num_experts", "[L, map_rows, E] int64"),
+        *Field.many("int64_t", "maps_host maps_dev map_rows num_experts", "[L, map_rows, E] int64"),
         Field("events", "void **", "[n_events] timing events, created on first use"),
-        *_fields("int64_t", "n_events used"),
+        *Field.many("int64_t", "n_events used"),
         Field("log", "int64_t *", "[log_cap, 4]: layer, kind, start event, end event"),
-        *_fields("int64_t", "log_cap logged"),
+        *Field.many("int64_t", "log_cap logged"),
         Field("stage_free", "void *", "after the last staged pass (NULL: the stage is free)"),
         Field("cpu_ready", "void *", "out: the CPU experts' activations are on the host"),
         Field("counts", "double *", "[L, N_COUNTS] sums since the last collect"),
-        *_fields("void **", "srcs dsts", "[2 E] batched copy arguments"),
+        *Field.many("void **", "srcs dsts", "[2 E] batched copy arguments"),
         Field("sizes", "size_t *"),
-        *_fields("size_t", "failed attr_index"),
+        *Field.many("size_t", "failed attr_index"),
         Field("error", "int64_t", "the runtime's error code of a failed call"),
         # encoded copies (oled.offload.encoded; decode_execs NULL: plain rows), see drive.c
         Field("decoder", "void *"),
         Field("decode_execs", "const int64_t *", "[LAND_PARTS]"),
         Field("land_events", "void *const *", "[2, LAND_PARTS]: after landing, after decode"),
-        *_fields("int64_t", "land13 land2 land_rows plain13 plain2"),
+        *Field.many("int64_t", "land13 land2 land_rows plain13 plain2"),
         Field("desc_host", "int64_t *", "[desc_cap, desc_stride] pinned descriptor ring"),
-        *_fields("int64_t", "desc_dev desc_stride desc_cap"),
+        *Field.many("int64_t", "desc_dev desc_stride desc_cap"),
         Field("desc_used", "int64_t *", "the ring's taken rows, shared with the Python path"),
     ),
     doc="The engine's layer launches (oled.offload.drive_state.DRIVE).",
@@ -70,7 +64,7 @@ CALL = Struct(
     "Call",
     (
         Field("execs", "int64_t *", "[n_execs] pass graphs by slot-map row (0: not captured)"),
-        *_fields("int64_t", "n_execs ids_host w_host pairs x_dev x_host x_bytes"),
+        *Field.many("int64_t", "n_execs ids_host w_host pairs x_dev x_host x_bytes"),
     ),
     doc="One (layer, tokens) key's static call: graphs, routing and activations.",
 )

@@ -174,18 +174,16 @@ def plan_part(retention: Sequence[Any], compensation: Sequence[Any]) -> tuple[St
     bind = Struct(
         "Bind",
         (
-            Field("num_layers", "int64_t"),
-            Field("num_experts", "int64_t"),
-            Field("stage_capacity", "int64_t"),
+            *Field.many("int64_t", "num_layers num_experts stage_capacity"),
             Field("stats_alpha", "double", "the measurements' EMA weight"),
             *(a.field for a in ARRAYS),
             Field("ret_kind", "int64_t", "RET_*"),
             Field("comp_kind", "int64_t", "COMP_*"),
-            *(Field(n, c.compiled_as.struct, f"{c.__name__}'s parameters") for n, c in params.items()),
-            Field("copy_per", "double", "the cost model (ms)"),
-            Field("copy_fixed", "double"),
-            Field("cpu_fixed", "double"),
-            Field("cpu_tok", "double"),
+            *(
+                Field(n, c.compiled_as.struct, f"{c.__name__}'s parameters")
+                for n, c in params.items()
+            ),
+            *Field.many("double", "copy_per copy_fixed cpu_fixed cpu_tok", "the cost model (ms)"),
             Field("scratch", "int64_t *", "(N_SCRATCH + N_OUT) x (E + 1)"),
             Field("ids", "int64_t *", "[routing_cap] this forward's routing, flat"),
             Field("weights", "double *"),
