@@ -250,6 +250,7 @@ def component(kind: str, name: str) -> Callable[[T], T]:
 
     def add(obj: T) -> T:
         kinds = registry(kind)
+        kinds._load_builtins()  # they import the base class, which declares itself (expect)
         kinds.check(name, obj)
         kinds.register(name, obj)
         return obj
