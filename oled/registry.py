@@ -1,7 +1,10 @@
-"""Named, lazily imported components: policies, model presets, workloads, tune objectives.
+"""Named components: policies, model presets, workloads, tune objectives.
 
-Entries are objects or `"module:Attr"` strings imported on first use; third-party packages add
-entries through entry points in the group `oled.<kind>` (e.g. `oled.retention`).
+A built-in component is registered where it is defined (`@component(kind, name)`, checked
+against the kind's base class); the registry knows only which modules define a kind's
+built-ins and imports them on the kind's first lookup. Other entries are objects or
+`"module:Attr"` strings imported on first use; third-party packages add entries through entry
+points in the group `oled.<kind>` (e.g. `oled.retention`).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import difflib
 import importlib
 import inspect
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Generic, TypeVar
@@ -55,8 +58,9 @@ class ComponentInfo:
     params: tuple[Param, ...]
 
 
-def suggest(name: str, choices: typing.Iterable[str]) -> str:
-    """` (did you mean 'x'?)` for the closest choice, or an empty string."""
+def suggest(name: str, choices: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` for the closest choice, or an empty string: the one wording of a
+    close match for every unknown name."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
@@ -105,11 +109,37 @@ def summary_of(obj: Any) -> str:
 class Registry(Generic[T]):
     """Components of one kind, by name; `"module:Attr"` entries are imported on first use."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, builtins: tuple[str, ...] = ()) -> None:
         self.kind = kind
         self.group = f"oled.{kind}"
+        self.base: type | None = None  # what `component` checks (expect); None: any callable
         self._entries: dict[str, Any] = {}
         self._scanned: set[str] = set()  # entry point names already seen
+        self._builtins = builtins  # modules whose `component`s register built-ins here
+
+    def expect(self, base: type) -> None:
+        """Components registered with `component` must be subclasses of `base`."""
+        self.base = base
+
+    def check(self, name: str, obj: Any) -> None:
+        """TypeError unless `obj` may be `name` of this kind: a subclass of `base`, or (without
+        one) a callable."""
+        if self.base is None:
+            ok, want = callable(obj), "a callable"
+        else:
+            ok, want = inspect.isclass(obj) and issubclass(obj, self.base), self.base.__name__
+        if not ok:
+            raise TypeError(f"{self.kind} '{name}': {target_name(obj)} is not {want}")
+
+    def _load_builtins(self) -> None:
+        """Import the modules that register this kind's built-ins (once)."""
+        modules, self._builtins = self._builtins, ()  # a lookup while they import: no loop
+        try:
+            for module in modules:
+                importlib.import_module(module)
+        except BaseException:
+            self._builtins = modules
+            raise
 
     def register(self, name: str, target: T | str, *, overwrite: bool = True) -> None:
         """Add `name`; `target` is the object or a lazy `"module:Attr"` string."""
@@ -122,6 +152,7 @@ class Registry(Generic[T]):
         self._entries.pop(name, None)
 
     def _scan_entry_points(self) -> None:
+        self._load_builtins()
         for ep in entry_points(group=self.group):
             if ep.name not in self._scanned and ep.name not in self._entries:
                 self._entries[ep.name] = ep.value
@@ -139,7 +170,8 @@ class Registry(Generic[T]):
         return iter(self.names())
 
     def target(self, name: str) -> str:
-        """The entry's `"module:Attr"` without importing it."""
+        """The entry's `"module:Attr"` without importing a lazy entry."""
+        self._load_builtins()
         if name not in self._entries:
             self._scan_entry_points()
         if name not in self._entries:
@@ -180,42 +212,24 @@ class Registry(Generic[T]):
 POLICY_KINDS = ("allocation", "retention", "compensation")
 KINDS = ("model", *POLICY_KINDS, "workload", "objective")
 
-REGISTRIES: dict[str, Registry[Any]] = {kind: Registry(kind) for kind in KINDS}
-
-_BUILTINS: dict[str, dict[str, str]] = {
-    "model": {
-        "tiny": "oled.model.presets:tiny_config",
-        "small": "oled.model.presets:small_config",
-    },
-    "allocation": {
-        "uniform": "oled.policies.allocation:UniformAllocation",
-        "adaptive": "oled.policies.allocation:AdaptiveAllocation",
-    },
-    "retention": {
-        "lru": "oled.policies.retention:LRURetention",
-        "lfu": "oled.policies.retention:LFURetention",
-        "score_ema": "oled.policies.retention:ScoreEMARetention",
-        "confidence": "oled.policies.retention:ConfidenceRetention",
-    },
-    "compensation": {
-        "transfer_only": "oled.policies.compensation:TransferOnly",
-        "cpu_only": "oled.policies.compensation:CpuOnly",
-        "batch_threshold": "oled.policies.compensation:BatchThreshold",
-        "makespan": "oled.policies.compensation:MakespanCompensation",
-        "cooperative": "oled.policies.compensation:CooperativeCompensation",
-        "interval_refresh": "oled.policies.compensation:IntervalRefresh",
-        "static_hot": "oled.policies.compensation:StaticHot",
-        "resident": "oled.policies.compensation:Resident",
-    },
-    "workload": {"short": "oled.experiment.workload:short_prompts"},
-    "objective": {
-        "simulate": "oled.experiment.tune:simulate_objective",
-        "run": "oled.experiment.tune:run_objective",
-    },
+# Where each kind's built-ins are defined (and registered, by `component`).
+_HOMES: dict[str, tuple[str, ...]] = {
+    "allocation": ("oled.policies.allocation",),
+    "retention": ("oled.policies.retention",),
+    "compensation": ("oled.policies.compensation",),
+    "workload": ("oled.experiment.workload",),
+    "objective": ("oled.experiment.tune",),
 }
-for _kind, _entries in _BUILTINS.items():
-    for _name, _target in _entries.items():
-        REGISTRIES[_kind].register(_name, _target)
+REGISTRIES: dict[str, Registry[Any]] = {
+    kind: Registry(kind, _HOMES.get(kind, ())) for kind in KINDS
+}
+
+_BUILTIN_MODELS = {
+    "tiny": "oled.model.presets:tiny_config",
+    "small": "oled.model.presets:small_config",
+}
+for _name, _target in _BUILTIN_MODELS.items():
+    REGISTRIES["model"].register(_name, _target)
 
 
 def registry(kind: str) -> Registry[Any]:
@@ -228,6 +242,20 @@ def registry(kind: str) -> Registry[Any]:
 def register(kind: str, name: str, target: Any) -> None:
     """Register `target` (an object or `"module:Attr"`) as `name` of `kind`."""
     registry(kind).register(name, target)
+
+
+def component(kind: str, name: str) -> Callable[[T], T]:
+    """Decorator: register the class or function it decorates as `name` of `kind`, where it
+    is defined (TypeError unless it fits the kind: Registry.check)."""
+
+    def add(obj: T) -> T:
+        kinds = registry(kind)
+        kinds._load_builtins()  # they import the base class, which declares itself (expect)
+        kinds.check(name, obj)
+        kinds.register(name, obj)
+        return obj
+
+    return add
 
 
 def get(kind: str, name: str) -> Any:

@@ -23,7 +23,6 @@ from oled import kernels as fused_kernels
 from oled.decoding import BlockDecoder, BlockInfo, DecodeConfig, DecodeObserver, GenerationStats
 from oled.decoding.batch import BatchDecoder
 from oled.decoding.follow import Trajectory
-from oled.decoding.replay import RoutingReplay, special_ids
 from oled.model.checkpoint import Checkpoint, load_checkpoint
 from oled.model.codec import check_codec
 from oled.model.experts import ResidentExperts
@@ -38,6 +37,7 @@ from oled.policies.base import AllocationPolicy, CompensationPolicy, CostModel, 
 from oled.policies.planner import STAGE_ROUNDS, Planner
 from oled.recipe import DEFAULT_MODEL, Recipe
 from oled.recipe.schema import RUNTIME
+from oled.trace.replay import RoutingReplay, special_ids
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -233,7 +233,7 @@ class Runtime:
         )
 
     def routing_replay(self, trace) -> RoutingReplay:
-        """A trace (oled.decoding.trace_file.Trace) ready to replay on this model (the last one is
+        """A trace (oled.trace.format.Trace) ready to replay on this model (the last one is
         kept, with its device buffers); ValueError naming both shapes unless the model has the
         trace's routing geometry."""
         if isinstance(trace, RoutingReplay):
@@ -255,7 +255,7 @@ class Runtime:
         observers: Sequence[DecodeObserver] = (),
         cancelled: Callable[[], bool] = lambda: False,
     ) -> Iterator[BlockInfo]:
-        """Replay prompt `prompt_index` of a routing trace (oled.decoding.replay): a seeded
+        """Replay prompt `prompt_index` of a routing trace (oled.trace.replay): a seeded
         prompt of the traced length, every MoE layer's routing replaced by the trace's (the
         routers still run), the traced commits and confidences, the traced blocks and forwards;
         yields each finished block like `stream`."""

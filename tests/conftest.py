@@ -141,9 +141,9 @@ def trace_file(tmp_path_factory) -> Path:
     and a 16-token prompt that ends on a block boundary; at threshold 0.5 some forwards commit
     several tokens and some blocks finish in one forward."""
     from oled.decoding import DecodeConfig
-    from oled.decoding.replay import random_ids, special_ids
     from oled.runtime import load_runtime
     from oled.trace.record import record
+    from oled.trace.replay import random_ids, special_ids
 
     rt = load_runtime("builtin:tiny", device="cpu", dtype="float32")
     prompts = [rt.prompt_ids(p, chat=True) for p in ("What is the capital of France?", "Hi")]

@@ -374,7 +374,7 @@ def test_the_shipped_study_replays_a_shipped_trace() -> None:
 
 
 def test_transfer_is_checked_and_named(recipe_file: Path) -> None:
-    from oled.commands import transfer_label
+    from oled.cli.using import transfer_label
 
     assert "transfer" in _error(recipe_file, ["runtime.transfer=zip"])
     recipe = load_recipe(recipe_file, ["runtime.transfer=fp8"])

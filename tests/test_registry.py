@@ -97,6 +97,28 @@ def test_builtin_names_are_lazy() -> None:
     assert "tiny" in reg.registry("model") and "short" in reg.registry("workload")
 
 
+def test_builtins_are_registered_where_defined() -> None:
+    from oled.experiment.workload import short_prompts
+    from oled.policies.retention import LRURetention
+
+    assert reg.get("retention", "lru") is LRURetention
+    assert reg.get("workload", "short") is short_prompts
+
+
+def test_component_checks_the_kind() -> None:
+    with pytest.raises(
+        TypeError, match=r"retention 'not_a_policy': .*NotAPolicy is not RetentionPolicy"
+    ):
+
+        @reg.component("retention", "not_a_policy")
+        class NotAPolicy:
+            pass
+
+    assert "not_a_policy" not in reg.registry("retention")
+    with pytest.raises(TypeError, match="workload 'nothing': .* is not a callable"):
+        reg.component("workload", "nothing")(42)
+
+
 def test_register_module_function(components: dict) -> None:
     assert reg.get("retention", "keep_recent") is components["retention"]["keep_recent"]
     reg.register("retention", "keep_again", "tests.conftest:KeepRecent")

@@ -427,8 +427,8 @@ def free_cache(dev: torch.device) -> None:
 
 def replay_workload(path: str, prompts: str) -> TraceWorkload:
     """The trace at `path` and the selected prompt indices (all, I, A:B)."""
-    from oled.decoding.replay import select_prompts
-    from oled.decoding.trace_file import Trace
+    from oled.trace.format import Trace
+    from oled.trace.replay import select_prompts
 
     trace = Trace.load(path)
     chosen = select_prompts(prompts, len(trace.prompt_starts))

@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 
-from oled.decoding.trace_file import Trace
 from oled.policies import ANCHORS, anchor_policies
 from oled.policies.base import CostModel, Load
 from oled.policies.planner import Planner
+from oled.trace.format import Trace
 
 
 def routing(

@@ -33,7 +33,7 @@ class BenchConfig:
 @dataclass(frozen=True)
 class TraceWorkload:
     """A routing trace whose prompts (by index) a benchmark row replays instead of a random
-    prompt (oled.decoding.replay)."""
+    prompt (oled.trace.replay)."""
 
     trace: Any
     prompts: tuple[int, ...]

@@ -60,7 +60,7 @@ class Trajectory(DecodeObserver):
 
     def confidence_at(self, step: int, device: torch.device) -> Tensor | None:
         """The confidences [L] that iteration `step` reports instead of its own (a routing
-        replay's: oled.decoding.replay), or None: its own."""
+        replay's: oled.trace.replay), or None: its own."""
         return None
 
 

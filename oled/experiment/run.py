@@ -138,8 +138,8 @@ def load_workload(recipe: Recipe) -> Workload:
     path = recipe.routing_trace()
     if path is None:
         return Workload(load_prompts(recipe.workload.prompts, recipe.folder))
-    from oled.decoding.replay import select_prompts
-    from oled.decoding.trace_file import Trace
+    from oled.trace.format import Trace
+    from oled.trace.replay import select_prompts
 
     trace = Trace.load(path)
     chosen = select_prompts(recipe.workload.trace_prompts, len(trace.prompt_starts))

@@ -25,7 +25,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from oled import registry as reg
 from oled.experiment.tracking import Tracker, check_store, tracked_run
-from oled.options import check_writable
 from oled.recipe import Recipe, SearchSpace, load_recipe
 from oled.recipe.schema import TuneSection
 
@@ -59,10 +58,11 @@ class ResultNotWritten(OSError):
         self.result = result
 
 
+@reg.component("objective", "simulate")
 def simulate_objective(recipe: Recipe) -> dict[str, float]:
     """Replay `[tune] trace` through the recipe's policies in the simulator."""
-    from oled.decoding.trace_file import Trace
-    from oled.trace.simulate import simulate_recipe
+    from oled.experiment.simulate import simulate_recipe
+    from oled.trace.format import Trace
 
     assert recipe.tune is not None
     if recipe.tune.trace is None:
@@ -74,6 +74,7 @@ def simulate_objective(recipe: Recipe) -> dict[str, float]:
     return out | {"belady_bound": bound}
 
 
+@reg.component("objective", "run")
 def run_objective(recipe: Recipe) -> dict[str, float]:
     """Real generations through `oled.build` (replays of `workload.routing`'s trace when it
     names one): the run's summary figures."""
@@ -345,8 +346,9 @@ def tune_recipe(
 ) -> TuneResult:
     """Run (or resume) the study; trials this process runs default to those still missing.
 
-    Before any trial: `out` must be writable, the storage must open, and for the `run`
-    objective the model and device must be there (else ValueError, OSError or StorageError). After: the best recipe and the plots go to a study folder under
+    Before any trial: the storage must open, and for the `run` objective the model and device
+    must be there (else ValueError, OSError or StorageError; `oled tune` checks that `--out` is
+    writable first). After: the best recipe and the plots go to a study folder under
     `tracking.report_dir` and to the MLflow study run, then the best recipe to `out`.
     `heartbeat_interval` (seconds; None: HEARTBEAT_INTERVAL, 0: none) and `grace_period`:
     see `storage_for`.
@@ -357,8 +359,6 @@ def tune_recipe(
     if tune is None:
         raise ValueError("recipe has no [tune] section")
     console = console or Console(stderr=True)
-    if out is not None:
-        check_writable(out, "--out")
     check_store(recipe)
     if tune.objective == "run":  # real generations: a model or device missing here fails now
         from oled.runtime import check

@@ -64,6 +64,7 @@ def read_jsonl(path: str | Path) -> list[Prompt]:
     return prompts
 
 
+@reg.component("workload", "short")
 def short_prompts() -> list[Prompt]:
     """A few short prompts (instructions, a chat with a system message)."""
     return read_jsonl(Path(str(resources.files("oled") / "data" / "short.jsonl")))

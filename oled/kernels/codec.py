@@ -1,5 +1,5 @@
 """The GPU decoders of encoded expert rows (oled.model.codec holds the format and the torch
-reference they match bit for bit).
+reference they match bit for bit; oled.kernels.codec_format the header's numbers).
 
 One launch decodes a list of rows: a descriptor [1 + 2M] int64 holds the count of rows, then
 per row the byte offset of its encoded source and of its bf16 destination, both from one base
@@ -16,14 +16,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from oled.kernels import codec_format as layout
+from oled.kernels.codec_format import CHUNK, FP8, INT4, LOSSLESS
 from oled.kernels.common import round_bf16
-from oled.model import codec
-from oled.model.codec import CHUNK, FP8, INT4, LOSSLESS
 
 # the format's offsets, as constants a kernel may read
-HEADER = tl.constexpr(codec.HEADER)
-PRIMARY_BOOK = tl.constexpr(codec.PRIMARY_BOOK)
-SECONDARY_BOOK = tl.constexpr(codec.SECONDARY_BOOK)
+HEADER = tl.constexpr(layout.HEADER)
+PRIMARY_BOOK = tl.constexpr(layout.PRIMARY_BOOK)
+SECONDARY_BOOK = tl.constexpr(layout.SECONDARY_BOOK)
 
 
 @triton.jit

@@ -36,18 +36,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from oled.kernels.codec_format import (
+    CHUNK,
+    FP8,
+    HEADER,
+    INT4,
+    LOSSLESS,
+    PRIMARY_BOOK,
+    SECONDARY_BOOK,
+)
+
 CODECS = ("plain", "lossless", "fp8", "int4")
 LOSSY = ("fp8", "int4")
-CHUNK = 1024  # weights per independently decoded chunk
-HEADER = 64  # bytes; 16 int32 words
-LOSSLESS, FP8, INT4 = 1, 2, 3  # the header's tag
 TAGS = {"lossless": LOSSLESS, "fp8": FP8, "int4": INT4}  # by codec name
-# header words: 0 tag, 1 n (weights), then per codec
-# lossless: 2 primary offset, 3 chunk-table offset, 4 secondary offset, 5 escape offset,
-#           6 weights per chunk, bytes 32..34 the primary exponents, bytes 36..42 the secondary exponents
-# fp8:      2 columns per channel, 3 scales offset, 4 data offset
-# int4:     2 weights per scale (the group), 3 scales offset, 4 codes offset
-PRIMARY_BOOK, SECONDARY_BOOK = 32, 36
 FP8_MAX = 448.0
 INT4_GROUP = 128  # weights of a channel per int4 scale
 

@@ -38,7 +38,7 @@ ForwardSteps = Generator[MoERequest, Tensor, Tensor]  # yields requests, is sent
 
 
 class RoutingOverride:
-    """Routing that replaces every MoE layer's own (routing replay: oled.decoding.replay).
+    """Routing that replaces every MoE layer's own (routing replay: oled.trace.replay).
 
     Static device buffers hold the current forward's ids [L, T, K] int64 and weights [L, T, K]
     fp32 as one contiguous block each, so one host-to-device copy fills them before the forward

@@ -63,10 +63,9 @@ BPE_SIZE = {"tiny": 700, "small": 3000, "mini-shape": 8000}
 
 def preset_config(name: str) -> ModelConfig:
     if name not in PRESETS:
-        import difflib
+        from oled.registry import suggest
 
-        close = difflib.get_close_matches(name, PRESETS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = suggest(name, PRESETS)
         raise ValueError(f"unknown preset {name!r}{hint}; choose from {', '.join(PRESETS)}")
     return PRESETS[name]()
 

@@ -42,8 +42,9 @@ from oled.offload.driver import LayerDriver, unavailable
 from oled.offload.encoded import EncodedCopies
 from oled.offload.launches import Launcher, launch_inputs, launch_passes, timed_copies
 from oled.offload.metrics import INDEX, EngineMetrics
-from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED, StepContext
+from oled.policies.base import StepContext
 from oled.policies.planner import HIT, STAGED, LayerPlan, Planner, Resize
+from oled.token_states import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
 
 
 class OffloadEngine(DecodeObserver):

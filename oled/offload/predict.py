@@ -13,13 +13,17 @@ trace of the same generation (a perfect prediction).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from oled.decoding.observers import DecodeObserver
-from oled.decoding.trace_file import Trace
 from oled.model.model import LLaDA2Model
+
+if TYPE_CHECKING:  # a trace is read, never made, here (oled.trace sits above oled.offload)
+    from oled.trace.format import Trace
 
 
 class NextLayerRouting:

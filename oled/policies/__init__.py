@@ -32,10 +32,7 @@ def anchor_policies(name: str) -> dict:
     from oled import registry
 
     if name not in ANCHORS:
-        import difflib
-
-        close = difflib.get_close_matches(name, ANCHORS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = registry.suggest(name, ANCHORS)
         raise ValueError(f"unknown anchor {name!r}{hint}; choose from {', '.join(ANCHORS)}")
     kinds = ("allocation", "retention", "compensation")
     return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from oled.policies.base import AllocationPolicy, LayerStats
+from oled.registry import component
 
 
 def uniform_split(total_slots: int, num_layers: int, num_experts: int) -> list[int]:
@@ -54,6 +55,7 @@ def proportional_split(
     return [int(x) for x in out]
 
 
+@component("allocation", "uniform")
 class UniformAllocation(AllocationPolicy):
     """The same number of slots in every MoE layer (TIDE, mixtral-offloading, HybriMoE)."""
 
@@ -67,6 +69,7 @@ class UniformAllocation(AllocationPolicy):
         return uniform_split(total_slots, num_layers, num_experts)
 
 
+@component("allocation", "adaptive")
 class AdaptiveAllocation(AllocationPolicy):
     """OLED: slots per layer from its measured working set and reuse, re-planned per block.
 

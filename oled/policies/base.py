@@ -1,4 +1,4 @@
-"""Device-free policy interfaces: token states, step context, cost model, load, policy ABCs.
+"""Device-free policy interfaces: step context, cost model, load, policy ABCs.
 
 Policies see expert ids, gate weights, token confidences and queue load; they return decisions.
 They never touch tensors on a device, so the engine and the simulator share the same objects.
@@ -6,7 +6,6 @@ They never touch tensors on a device, so the engine and the simulator share the 
 
 from __future__ import annotations
 
-import difflib
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -15,10 +14,7 @@ from typing import ClassVar
 import numpy as np
 
 from oled.policies.state import Kind
-
-TOKEN_FIXED = 0  # prompt / already decoded / pending prefix rows
-TOKEN_MASKED = 1  # still masked after this iteration
-TOKEN_COMMITTED = 2  # committed by this iteration
+from oled.registry import registry, suggest
 
 
 @dataclass(frozen=True)
@@ -28,7 +24,7 @@ class StepContext:
     block: int
     iteration: int  # within the block (0 = first forward of the block)
     step: int  # over the whole generation
-    token_state: np.ndarray  # [T] int8: TOKEN_FIXED / TOKEN_MASKED / TOKEN_COMMITTED
+    token_state: np.ndarray  # [T] int8: oled.token_states (fixed, masked, committed)
     confidence: np.ndarray  # [T] float32; 1.0 for fixed rows
     prefix: np.ndarray | None = None  # [T] bool: pending prefix rows (None: all rows but the
     # last block_length, as in one sequence's forward; a batched forward names them)
@@ -142,9 +138,8 @@ class CostModel:
         """A named profile: 'h200' (DESIGN.md section 5) or 'cpu-ci'."""
         if name in _PROFILES:
             return _PROFILES[name]()
-        close = difflib.get_close_matches(name, _PROFILES, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown cost profile {name!r} (known: {sorted(_PROFILES)}){hint}")
+        hint = suggest(name, _PROFILES)
+        raise ValueError(f"unknown cost profile {name!r}{hint} (known: {sorted(_PROFILES)})")
 
     @staticmethod
     def profiles() -> list[str]:
@@ -303,3 +298,11 @@ class CompensationPolicy(ABC):
     def prefill(self, *, layer: int, capacity: int) -> np.ndarray | None:
         """Experts to place in the cache before the first forward (load time), or None."""
         return None
+
+
+for _kind, _base in (
+    ("allocation", AllocationPolicy),
+    ("retention", RetentionPolicy),
+    ("compensation", CompensationPolicy),
+):
+    registry(_kind).expect(_base)  # what a built-in or plugin policy class must be

@@ -6,6 +6,7 @@ import numpy as np
 
 from oled.policies.base import CompensationPolicy, CostModel, Load
 from oled.policies.state import InState, Kind, Stateful
+from oled.registry import component
 
 
 def best_split(
@@ -50,6 +51,7 @@ def copying_all_is_best(cpu_cost: np.ndarray, load: Load, cost: CostModel) -> bo
     return fastest > 0 and load.cpu_queue_ms + fastest > copy_all
 
 
+@component("compensation", "cooperative")
 class CooperativeCompensation(CompensationPolicy):
     """OLED: load- and reuse-aware copy-or-CPU choice minimising the layer's finish time.
 
@@ -121,6 +123,7 @@ class CooperativeCompensation(CompensationPolicy):
         return best_split(cpu_cost=cpu_cost, order=order, load=load, cost=cost, future=future)
 
 
+@component("compensation", "makespan")
 class MakespanCompensation(CompensationPolicy):
     """HybriMoE-style scheduler: heaviest misses to the GPU until CPU and copy queues balance."""
 
@@ -147,6 +150,7 @@ class MakespanCompensation(CompensationPolicy):
         return best_split(cpu_cost=cpu_cost, order=order, load=load, cost=cost)
 
 
+@component("compensation", "batch_threshold")
 class BatchThreshold(CompensationPolicy):
     """llama.cpp: copy an expert to the GPU when it has at least `min_tokens` tokens, else CPU."""
 
@@ -169,6 +173,7 @@ class BatchThreshold(CompensationPolicy):
         return np.asarray(tokens) >= self.min_tokens
 
 
+@component("compensation", "transfer_only")
 class TransferOnly(CompensationPolicy):
     """Copy every miss to the GPU (mixtral-offloading, MoE-Infinity)."""
 
@@ -191,6 +196,7 @@ class TransferOnly(CompensationPolicy):
         return np.ones(len(experts), bool)
 
 
+@component("compensation", "cpu_only")
 class CpuOnly(CompensationPolicy):
     """Run every miss on the CPU (Fiddler-style)."""
 
@@ -213,6 +219,7 @@ class CpuOnly(CompensationPolicy):
         return np.zeros(len(experts), bool)
 
 
+@component("compensation", "resident")
 class Resident(TransferOnly):
     """Every expert on the GPU: the cache is prefilled at load time; any miss is copied."""
 
@@ -221,6 +228,7 @@ class Resident(TransferOnly):
         return np.arange(capacity)
 
 
+@component("compensation", "interval_refresh")
 class IntervalRefresh(CpuOnly):
     """TIDE: every `interval` forwards each layer loads its experts with the most tokens.
 
@@ -244,6 +252,7 @@ class IntervalRefresh(CpuOnly):
         return top[tokens[top] >= max(1, self.min_tokens)]
 
 
+@component("compensation", "static_hot")
 class StaticHot(Stateful, CpuOnly):
     """Fiddler / kTransformers: the hottest experts of a profile stay on the GPU; misses on the CPU.
 

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from oled.policies.base import (
-    TOKEN_COMMITTED,
-    TOKEN_MASKED,
-    RetentionPolicy,
-    StepContext,
-    lowest,
-)
+from oled.policies.base import RetentionPolicy, StepContext, lowest
 from oled.policies.state import InState, Kind, Stateful
+from oled.registry import component
+from oled.token_states import TOKEN_COMMITTED, TOKEN_MASKED
 
 
 class _Scored(Stateful, RetentionPolicy):
@@ -35,6 +31,7 @@ class _Scored(Stateful, RetentionPolicy):
         return lowest(self.priority[layer], candidates, n)
 
 
+@component("retention", "lru")
 class LRURetention(_Scored):
     """Evict the least recently used expert (mixtral-offloading's LRU cache)."""
 
@@ -67,6 +64,7 @@ class LRURetention(_Scored):
         return 0.5 ** np.maximum(0.0, self.now - self.priority[layer, experts])
 
 
+@component("retention", "lfu")
 class LFURetention(_Scored):
     """Evict the least frequently used expert (MoE-Infinity-style activation counts)."""
 
@@ -92,6 +90,7 @@ class LFURetention(_Scored):
         return p[experts] / max(1e-9, float(p.max()))
 
 
+@component("retention", "score_ema")
 class ScoreEMARetention(_Scored):
     """Evict the lowest exponential moving average of gate scores (HybriMoE score-aware cache)."""
 
@@ -117,6 +116,7 @@ class ScoreEMARetention(_Scored):
         return s / (s + 0.1)
 
 
+@component("retention", "confidence")
 class ConfidenceRetention(Stateful, RetentionPolicy):
     """OLED: priority of a cached expert from its tokens' gate weights, decode state and confidence.
 

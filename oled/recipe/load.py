@@ -203,7 +203,7 @@ def _check_model(model: str, where: Locator) -> None:
 def _check_trace(path: Path, loc: tuple[str, ...], where: Locator, model: str) -> int:
     """A trace file that a recipe names at `loc`: readable, a trace, and routing like the
     recipe's model where that model's config is on this machine; its prompt count."""
-    from oled.decoding.trace_file import prompt_count
+    from oled.trace.format import prompt_count
 
     try:
         count = prompt_count(path)
@@ -236,7 +236,7 @@ def trace_meta(path: Path) -> Any:
     """A trace file's TraceMeta (its header only)."""
     from safetensors import safe_open
 
-    from oled.decoding.trace_file import TraceMeta
+    from oled.trace.format import TraceMeta
 
     with safe_open(str(path), framework="np") as f:
         return TraceMeta.from_strings(f.metadata() or {})
@@ -263,7 +263,7 @@ def routes_unlike(meta: Any, model: str) -> str | None:
     """Why a trace (its TraceMeta) does not route like the model of `model.path` (its MoE
     layers, experts and top-k), or None: when it does, or when that model is not on this
     machine to compare with."""
-    from oled.decoding.replay import check_geometry
+    from oled.trace.replay import check_geometry
 
     config = model_config(model)
     if config is None:
@@ -285,7 +285,7 @@ def _check_routing(recipe: Recipe, where: Locator, base: Path | None) -> None:
             raise RecipeError(where.line(("workload", "trace_prompts"), problem))
         return
     count = _check_trace(path, ("workload", "routing"), where, recipe.model.path)
-    from oled.decoding.replay import select_prompts
+    from oled.trace.replay import select_prompts
 
     try:
         select_prompts(workload.trace_prompts, count)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from oled.decoding.trace_file import Trace, TraceMeta
 from oled.policies.base import StepContext
+from oled.trace.format import Trace, TraceMeta
 
 
 class TraceRecorder:

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from oled.decoding.trace_file import Trace
 from oled.policies.base import (
     AllocationPolicy,
     CompensationPolicy,
@@ -23,6 +22,7 @@ from oled.policies.base import (
     RetentionPolicy,
 )
 from oled.policies.planner import LayerPlan, Planner
+from oled.trace.format import Trace
 
 
 @dataclass
@@ -265,38 +265,3 @@ def belady_bypass(trace: Trace, capacities: list[int] | np.ndarray) -> float:
         hits += belady_layer(experts, steps, cap)
         total += len(experts)
     return hits / max(1, total)
-
-
-def simulate_recipe(trace, recipe, *, profile: str | None = None):
-    """Replay `trace` through a recipe's policies and budget (the runtime's budget kinds that
-    count slots, sized for the traced model's shape; the recipe's stage capacity): (SimResult,
-    Belady bound). A ValueError when the recipe's model (where it is on this machine) does
-    not route like the trace."""
-    from oled.offload.budget import Budget, shape_slots
-    from oled.policies import with_oled_defaults
-    from oled.policies.base import CostModel
-    from oled.recipe.load import routes_unlike
-    from oled.trace.simulate import belady_bypass, simulate
-
-    meta = trace.meta
-    mismatch = routes_unlike(meta, recipe.model.path)
-    if mismatch is not None:
-        raise ValueError(f"simulation: {mismatch}")
-    try:
-        slots = shape_slots(
-            Budget(*recipe.runtime.budget.choice()), meta.num_moe_layers, meta.num_experts
-        )
-    except ValueError as exc:
-        raise ValueError(f"simulation: {exc}") from None
-    cost_name = profile or recipe.runtime.cost
-    if cost_name == "calibrate":
-        raise ValueError("simulation needs a named cost profile: --profile h200 or cpu-ci")
-    result = simulate(
-        trace,
-        total_slots=slots,
-        cost=CostModel.profile(cost_name),
-        stage_capacity=recipe.runtime.stage_capacity,
-        **with_oled_defaults(**recipe.policy.build()),
-    )
-    bound = belady_bypass(trace, result.capacity_history)
-    return result, bound

@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from oled.decoding.trace_file import Trace
-from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
+from oled.token_states import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
+from oled.trace.format import Trace
 
 CONF_EDGES = (0.3, 0.6, 0.9)
 GROUPS = ("masked <0.3", "masked 0.3-0.6", "masked 0.6-0.9", "masked >=0.9", "committed", "fixed")

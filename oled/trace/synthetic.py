@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from oled.decoding.trace_file import Trace, TraceMeta
-from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
+from oled.token_states import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
+from oled.trace.format import Trace, TraceMeta
 
 
 def _draw(rng: np.random.Generator, logits: np.ndarray, rows: int, k: int) -> np.ndarray:

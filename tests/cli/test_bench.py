@@ -454,7 +454,7 @@ def test_bench_replays_a_routing_trace(tiny_dir, tmp_path, trace_file):
 def test_bench_refuses_a_trace_of_another_geometry_before_loading(
     tiny_dir, tmp_path, trace_file, monkeypatch
 ):
-    from oled.decoding.trace_file import Trace
+    from oled.trace.format import Trace
 
     trace = Trace.load(trace_file)
     wider = tmp_path / "wide.oledtrace"

@@ -50,7 +50,7 @@ def _served(monkeypatch) -> list[Recipe]:
     """The specs `oled serve` would serve (the server itself is not started)."""
     specs: list[Recipe] = []
     monkeypatch.setattr(
-        "oled.serve.command.run_server", lambda spec, **kw: specs.append(spec) or None
+        "oled.serve.server.run_server", lambda spec, **kw: specs.append(spec) or None
     )
     return specs
 

@@ -14,7 +14,7 @@ import typer
 from typer.testing import CliRunner
 
 from oled.cli import app
-from oled.experiment.commands import shipped_recipes
+from oled.cli.experiment import shipped_recipes
 from oled.model.config import ModelConfig
 from oled.model.presets import preset_config
 from oled.model.tokenizer import Tokenizer, TokenizerError

@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
 from oled.cli import app
-from oled.experiment.commands import shipped_recipes
+from oled.cli.experiment import shipped_recipes
 from oled.recipe import load_recipe
 
 runner = CliRunner()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from oled.experiment.commands import shipped_recipes
+from oled.cli.experiment import shipped_recipes
 from oled.recipe import load_recipe
 from oled.runtime import build
 

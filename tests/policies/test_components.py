@@ -11,16 +11,7 @@ from hypothesis import strategies as st
 
 from oled.policies import allocation, compensation, retention
 from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
-from oled.policies.base import (
-    TOKEN_COMMITTED,
-    TOKEN_FIXED,
-    TOKEN_MASKED,
-    CostModel,
-    LayerStats,
-    Load,
-    StepContext,
-    lowest,
-)
+from oled.policies.base import CostModel, LayerStats, Load, StepContext, lowest
 from oled.policies.compensation import (
     BatchThreshold,
     CooperativeCompensation,
@@ -34,6 +25,7 @@ from oled.policies.compensation import (
 )
 from oled.policies.planner import Planner
 from oled.policies.retention import ConfidenceRetention, LFURetention, LRURetention
+from oled.token_states import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
 
 COST = CostModel.profile("h200")
 

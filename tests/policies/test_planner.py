@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
-from oled.policies.base import TOKEN_MASKED, CostModel, Load, StepContext
+from oled.policies.base import CostModel, Load, StepContext
 from oled.policies.compensation import (
     BatchThreshold,
     CooperativeCompensation,
@@ -26,6 +26,7 @@ from oled.policies.retention import (
     LRURetention,
     ScoreEMARetention,
 )
+from oled.token_states import TOKEN_MASKED
 
 RETENTIONS = [ConfidenceRetention, LRURetention, LFURetention, ScoreEMARetention]
 COMPENSATIONS = [

@@ -19,8 +19,8 @@ import uvicorn
 from oled.decoding import DecodeConfig
 from oled.runtime import load_runtime
 from oled.serve.app import create_app
-from oled.serve.command import DrainingServer
 from oled.serve.engine import Engine
+from oled.serve.server import DrainingServer
 
 API_KEY = "sk-test-key"
 MODEL = "tiny-test"

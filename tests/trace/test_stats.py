@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from oled.cli import app
-from oled.decoding.trace_file import Trace, TraceMeta
-from oled.policies.base import TOKEN_COMMITTED as C
-from oled.policies.base import TOKEN_FIXED as F
-from oled.policies.base import TOKEN_MASKED as M
+from oled.token_states import TOKEN_COMMITTED as C
+from oled.token_states import TOKEN_FIXED as F
+from oled.token_states import TOKEN_MASKED as M
+from oled.trace.format import Trace, TraceMeta
 from oled.trace.stats import GROUPS, trace_stats
 from oled.trace.synthetic import synthetic_trace
 

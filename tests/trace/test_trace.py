@@ -12,10 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oled.decoding.trace_file import Trace
 from oled.policies import ANCHORS, anchor_policies
 from oled.policies.allocation import AdaptiveAllocation, UniformAllocation
-from oled.policies.base import TOKEN_FIXED, TOKEN_MASKED, CostModel, StepContext
+from oled.policies.base import CostModel, StepContext
 from oled.policies.compensation import (
     CooperativeCompensation,
     CpuOnly,
@@ -25,6 +24,8 @@ from oled.policies.retention import (
     ConfidenceRetention,
     LRURetention,
 )
+from oled.token_states import TOKEN_FIXED, TOKEN_MASKED
+from oled.trace.format import Trace
 from oled.trace.recorder import TraceRecorder
 from oled.trace.simulate import belady_bypass, belady_layer, requests, simulate
 from oled.trace.synthetic import synthetic_trace
@@ -179,7 +180,7 @@ def test_simulator_reports(small: Trace) -> None:
 
 def _repeating_trace(ids_of_step: list[np.ndarray], steps: list[int]) -> Trace:
     """One layer; forward i routes its 2 tokens to ids_of_step[i] [2, 2] (step: steps[i])."""
-    from oled.decoding.trace_file import TraceMeta
+    from oled.trace.format import TraceMeta
 
     n = len(ids_of_step)
     ids = np.stack(ids_of_step).reshape(1, 2 * n, 2).astype(np.int16)  # [L, R, K]

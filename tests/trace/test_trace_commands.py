@@ -7,7 +7,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from oled.cli import app
-from oled.decoding.trace_file import Trace
+from oled.trace.format import Trace
 
 
 def test_record_then_simulate_every_baseline(tmp_path, tiny_dir):

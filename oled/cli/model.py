@@ -1,29 +1,16 @@
-"""The `oled` command line."""
+"""`oled model`: create and inspect checkpoints."""
 
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-app = typer.Typer(
-    name="oled",
-    help="OLED-MoE: run MoE diffusion language models (LLaDA2) on GPUs too small for all experts.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
+from oled.cli.options import console, user_errors
+
 model_app = typer.Typer(help="Create and inspect checkpoints.", no_args_is_help=True)
-app.add_typer(model_app, name="model")
-from oled.options import console, show_warning, user_errors  # noqa: E402
-
-
-@app.callback()
-def _every_command() -> None:
-    warnings.showwarning = show_warning  # the command line's warnings are one line each
 
 
 @model_app.command("init")
@@ -93,22 +80,6 @@ def model_info(model: Annotated[str, typer.Argument(help="Checkpoint directory o
         console.print(f"{key:>28}: {value}")
 
 
-def _register_commands() -> None:
-    from oled import commands as using
-    from oled.experiment import commands as experiment
-    from oled.trace import commands as trace
-
-    using.register(app)
-    experiment.register(app)
-    trace.register(app)
-
-
-_register_commands()
-
-
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    main()
+def register(app: typer.Typer) -> None:
+    """Add `oled model` to the `oled` app."""
+    app.add_typer(model_app, name="model")

@@ -1,7 +1,6 @@
 """The interactive and operational commands: generate, chat, serve, bench, env.
 
-Kept out of `oled/cli.py` (which only registers them); each imports its implementation lazily
-so that `oled --help` stays fast.
+Each imports its implementation lazily, so that `oled --help` stays fast.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from oled.options import (
+from oled.cli.options import (
     BlockOpt,
     CacheOpt,
     DeviceOpt,
@@ -144,7 +143,7 @@ def serve(
     ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
-    from oled.serve.command import run_server, served_name
+    from oled.serve.server import run_server, served_name
 
     at_least(1, max_tokens=max_tokens)
     spec = command_spec(
@@ -485,10 +484,10 @@ def _trace_workload(spec):
     recipe's `workload.routing` and `trace_prompts` (validated with the recipe), checked
     against the row's model geometry before anything loads."""
     from oled.bench import TraceWorkload
-    from oled.decoding.replay import check_geometry, select_prompts
-    from oled.decoding.trace_file import Trace
     from oled.model.config import ModelConfig
     from oled.runtime import resolve_model
+    from oled.trace.format import Trace
+    from oled.trace.replay import check_geometry, select_prompts
 
     path = spec.routing_trace()
     if path is None:

@@ -1,7 +1,4 @@
-"""Typer commands of the experiment framework: validate, ls, cp, run, tune.
-
-`register(app)` adds them to the `oled` command-line app.
-"""
+"""The experiment commands: validate, ls, cp, run, tune."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from oled import registry as reg
-from oled.options import check_writable, fail, user_errors
+from oled.cli.options import check_writable, fail, user_errors
 from oled.recipe import BUILTIN, RecipeError, load_recipe
 from oled.registry import ComponentImportError, suggest
 
@@ -188,6 +185,8 @@ def tune(
     loaded = _load(recipe, set_)
     if loaded.tune is None:
         raise _fail(f"{recipe}: no [tune] section")
+    if out is not None:
+        check_writable(out, "--out")
     try:
         result = tune_recipe(
             loaded,

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from oled.options import check_writable, save_or_keep, user_errors
+from oled.cli.options import check_writable, save_or_keep, user_errors
 from oled.recipe.schema import DECODING
 
 trace_app = typer.Typer(help="Record routing traces.", no_args_is_help=True)
@@ -58,7 +58,7 @@ def trace_stats_cmd(
 ) -> None:
     """Routing statistics: distinct experts per forward, overlap between forwards, route
     stability and expert reuse by token state, load skew (one column per trace)."""
-    from oled.decoding.trace_file import Trace
+    from oled.trace.format import Trace
     from oled.trace.stats import column_names, stats_table, trace_stats, write_json
 
     if json_out is not None:
@@ -85,9 +85,9 @@ def simulate_cmd(
 ) -> None:
     """Replay a trace through policies; hit rates and modelled latency beside the Belady bound
     (the recipe's model, where it is on this machine, must route like the trace)."""
-    from oled.decoding.trace_file import Trace
+    from oled.experiment.simulate import simulate_recipe
     from oled.recipe import load_recipe
-    from oled.trace.simulate import simulate_recipe
+    from oled.trace.format import Trace
 
     trace = Trace.load(trace_file)
     base = load_recipe(recipe, set_ or [])

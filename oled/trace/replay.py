@@ -1,6 +1,6 @@
 """Routing replay: run a checkpoint on a recorded trace's routing, schedule and confidences.
 
-A routing trace (oled.decoding.trace_file, `oled trace record`) holds per forward ("step") and MoE layer
+A routing trace (oled.trace.format, `oled trace record`) holds per forward ("step") and MoE layer
 the expert ids and gate weights of every row the forward ran (pending prefix rows first, then the
 block's rows), and per row the token state and confidence after that forward. A replay runs the
 same forwards on any checkpoint of the same routing geometry (MoE layers, experts, top-k), at its
@@ -14,7 +14,8 @@ own sizes:
 - each prompt has the traced length (seeded token ids) and decodes the traced blocks and
   forwards exactly.
 
-The trace is duck-typed (decoding does not import oled.trace): arrays `ids` [L, R, K], `weights`
+The trace is duck-typed (a `Trace`, or a namespace with its `meta` alone where only the
+geometry is checked): arrays `ids` [L, R, K], `weights`
 [L, R, K], `token_state` [R], `confidence` [R], `row_offsets` [S + 1], `block`, `iteration`,
 `step` [S] and `meta.num_moe_layers`, `meta.num_experts`, `meta.top_k`. A prompt starts where
 `step` goes back to 0.
@@ -33,7 +34,7 @@ from oled.decoding.decoder import DecodeConfig
 from oled.decoding.follow import Trajectory
 from oled.decoding.observers import DecodeObserver, IterationInfo
 from oled.model.model import LLaDA2Model, RoutingOverride
-from oled.policies.base import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
+from oled.token_states import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
 
 
 @dataclass(frozen=True)

@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from oled.decoding.replay import (
+from oled.model.presets import init_checkpoint
+from oled.offload.budget import Budget
+from oled.runtime import build_runtime, load_runtime
+from oled.trace.format import Trace
+from oled.trace.record import record_replay
+from oled.trace.replay import (
     ReplayPrompt,
     RoutingReplay,
     check_geometry,
     select_prompts,
     split_prompts,
 )
-from oled.decoding.trace_file import Trace
-from oled.model.presets import init_checkpoint
-from oled.offload.budget import Budget
-from oled.runtime import build_runtime, load_runtime
-from oled.trace.record import record_replay
 
 FIELDS = (
     "ids",

@@ -1,0 +1,5 @@
+"""`python -m oled.cli`: the `oled` command line."""
+
+from oled.cli import main
+
+main()

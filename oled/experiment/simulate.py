@@ -1,0 +1,43 @@
+"""A recipe's simulation: its policies and budget replayed over a routing trace
+(oled.trace.simulate), for `oled simulate` and the `simulate` tune objective."""
+
+from __future__ import annotations
+
+from oled.offload.budget import Budget, shape_slots
+from oled.policies import with_oled_defaults
+from oled.policies.base import CostModel
+from oled.recipe import Recipe
+from oled.recipe.load import routes_unlike
+from oled.trace.format import Trace
+from oled.trace.simulate import SimResult, belady_bypass, simulate
+
+
+def simulate_recipe(
+    trace: Trace, recipe: Recipe, *, profile: str | None = None
+) -> tuple[SimResult, float]:
+    """Replay `trace` through a recipe's policies and budget (the runtime's budget kinds that
+    count slots, sized for the traced model's shape; the recipe's stage capacity): (SimResult,
+    Belady bound). A ValueError when the recipe's model (where it is on this machine) does
+    not route like the trace."""
+    meta = trace.meta
+    mismatch = routes_unlike(meta, recipe.model.path)
+    if mismatch is not None:
+        raise ValueError(f"simulation: {mismatch}")
+    try:
+        slots = shape_slots(
+            Budget(*recipe.runtime.budget.choice()), meta.num_moe_layers, meta.num_experts
+        )
+    except ValueError as exc:
+        raise ValueError(f"simulation: {exc}") from None
+    cost_name = profile or recipe.runtime.cost
+    if cost_name == "calibrate":
+        raise ValueError("simulation needs a named cost profile: --profile h200 or cpu-ci")
+    result = simulate(
+        trace,
+        total_slots=slots,
+        cost=CostModel.profile(cost_name),
+        stage_capacity=recipe.runtime.stage_capacity,
+        **with_oled_defaults(**recipe.policy.build()),
+    )
+    bound = belady_bypass(trace, result.capacity_history)
+    return result, bound
