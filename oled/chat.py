@@ -11,8 +11,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import ModuleType
 from typing import Any, TextIO
 
 from oled.decoding import DecodeConfig, GenerationStats
@@ -145,7 +147,7 @@ class Interrupts:
         self.flag = threading.Event()
 
     @contextlib.contextmanager
-    def catching(self):
+    def catching(self) -> Iterator[Callable[[], bool]]:
         self.flag.clear()
         previous = signal.signal(signal.SIGINT, lambda *_: self.flag.set())
         try:
@@ -169,7 +171,7 @@ def setup_readline() -> None:
     atexit.register(lambda: _save_history(readline, history))
 
 
-def _save_history(readline, history) -> None:
+def _save_history(readline: ModuleType, history: Path) -> None:
     with contextlib.suppress(OSError):
         readline.write_history_file(history)
 
@@ -178,8 +180,11 @@ def run_chat(session: ChatSession, *, out: TextIO | None = None) -> None:
     """The read-reply loop (writing to `out`, by default the standard output of the moment)."""
     interrupts = Interrupts()
     out = out or sys.stdout
-    with contextlib.suppress(AttributeError, ValueError):  # bytes that are not UTF-8 reach the
-        sys.stdin.reconfigure(errors="surrogateescape")  # tokenizer's check, which names them
+    # bytes that are not UTF-8 reach the tokenizer's check, which names them
+    reconfigure = getattr(sys.stdin, "reconfigure", None)  # a text stream's (not every stdin's)
+    if reconfigure is not None:
+        with contextlib.suppress(ValueError):
+            reconfigure(errors="surrogateescape")
 
     def write(text: str) -> None:
         out.write(text)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from oled import kernels
-from oled.bench.profile import host_breakdown, stage_breakdown
+from oled.bench.profile import Replay, host_breakdown, stage_breakdown
 from oled.bench.runs import (
     BenchConfig,
     TraceWorkload,
@@ -17,6 +17,7 @@ from oled.bench.runs import (
     run_once,
     run_replay,
 )
+from oled.decoding import DecodeConfig, Trajectory
 from oled.decoding.decoder import median_p90
 from oled.decoding.follow import Agreement, agreement_summary
 from oled.offload.metrics import FIELDS, with_rates
@@ -97,9 +98,9 @@ def _profile_into(
     rt: Runtime,
     cfg: BenchConfig,
     prompt: list[int],
-    decode,
-    follow=None,
-    replay: tuple[Any, int] | None = None,
+    decode: DecodeConfig | None,
+    follow: Trajectory | None = None,
+    replay: Replay | None = None,
 ) -> None:
     """With `cfg.profile`: the device stage times (CUDA only) and the host times, into `row`."""
     if cfg.profile and rt.device.type == "cuda":

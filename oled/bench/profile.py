@@ -7,24 +7,28 @@ it.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
+from torch.autograd.profiler_util import FunctionEvent
 
 from oled.bench.runs import run_once, run_replay
-from oled.decoding import DecodeObserver
+from oled.decoding import DecodeConfig, DecodeObserver, IterationInfo, Trajectory
+from oled.decoding.replay import RoutingTrace
 from oled.model.stages import STAGES, annotate
 from oled.runtime import Runtime
+
+Replay = tuple[RoutingTrace, int]  # a trace and the index of the prompt to replay
 
 
 def stage_breakdown(
     rt: Runtime,
     prompt: list[int],
-    decode,
+    decode: DecodeConfig | None,
     iterations: int = 3,
-    follow=None,
-    replay: tuple[Any, int] | None = None,
-):
+    follow: Trajectory | None = None,
+    replay: Replay | None = None,
+) -> dict[str, float]:
     """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
     iterations (after the prompt's) of one extra eager generation under the profiler: every
     kernel and copy counts for the innermost stage that launched it. The graphs replay the same
@@ -39,20 +43,20 @@ def stage_breakdown(
         rt.forward = graphed
     totals = _stage_device_us(window.profiler.events())
     out = {name: us / 1000 / window.seen for name, us in totals.items()}
-    decode = off["decode"] if off is not None else {}
-    if decode.get("cpu_ms"):
-        out["CPU experts"] = decode["cpu_ms"] / max(1, decode["iterations"])
+    figures = off["decode"] if off is not None else {}
+    if figures.get("cpu_ms"):
+        out["CPU experts"] = figures["cpu_ms"] / max(1, figures["iterations"])
     return out
 
 
 def host_breakdown(
     rt: Runtime,
     prompt: list[int],
-    decode,
+    decode: DecodeConfig | None,
     iterations: int = 3,
-    follow=None,
-    replay: tuple[Any, int] | None = None,
-):
+    follow: Trajectory | None = None,
+    replay: Replay | None = None,
+) -> dict[str, float]:
     """Host milliseconds per iteration of each stage range (inclusive: `copies` lies inside
     `host decision`) and of each CUDA API call (cudaGraphLaunch, cudaMemcpyAsync, ...), from a
     few iterations of one more generation run as the runtime runs it (graphs kept) under a
@@ -68,13 +72,13 @@ def host_breakdown(
 def _profiled(
     rt: Runtime,
     prompt: list[int],
-    decode,
+    decode: DecodeConfig | None,
     iterations: int,
-    follow,
+    follow: Trajectory | None,
     *,
     device: bool,
-    replay: tuple[Any, int] | None = None,
-):
+    replay: Replay | None = None,
+) -> tuple[_ProfileWindow, dict | None]:
     """One generation (following `follow` if given; the replay of (trace, prompt index) if
     `replay`) with iterations 1 .. `iterations` under the profiler: (the window, the engine's
     figures)."""
@@ -106,7 +110,7 @@ class _ProfileWindow(DecodeObserver):
             self.profiler.start()
             self.running = True
 
-    def on_iteration(self, info) -> None:
+    def on_iteration(self, info: IterationInfo) -> None:
         if self.running:
             self.seen += 1
             if self.seen == self.count:
@@ -121,7 +125,7 @@ class _ProfileWindow(DecodeObserver):
             self.running = False
 
 
-def _stage_device_us(events) -> dict[str, float]:
+def _stage_device_us(events: Sequence[FunctionEvent]) -> dict[str, float]:
     """Microseconds of kernels and copies per innermost enclosing stage ('other' outside).
 
     Each device event is found through its host API call (cudaLaunchKernel, cuLaunchKernelEx,
@@ -144,7 +148,7 @@ def _stage_device_us(events) -> dict[str, float]:
     return totals
 
 
-def _device_work(event) -> bool:
+def _device_work(event: FunctionEvent) -> bool:
     """A kernel, copy or memset: not a mirror of a stage range on the device timeline, nor a
     synchronisation (both span other work)."""
     kind = getattr(event, "activity_type", None)
@@ -160,7 +164,7 @@ def _is_api_call(name: str) -> bool:
     return name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper())
 
 
-def _stage_of(event) -> str:
+def _stage_of(event: FunctionEvent | None) -> str:
     """The innermost stage range enclosing a host event; 'other' without one."""
     while event is not None:
         if event.name in STAGES:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
+from oled.decoding import DecodeConfig, DecodeObserver, GenerationStats
 from oled.decoding.follow import Trajectory
+from oled.decoding.replay import RoutingTrace
 from oled.runtime import Runtime
+
+Generation = tuple[GenerationStats, dict | None, list[int]]  # stats, offload figures, tokens
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +39,7 @@ class TraceWorkload:
     """A routing trace whose prompts (by index) a benchmark row replays instead of a random
     prompt (oled.trace.replay)."""
 
-    trace: Any
+    trace: RoutingTrace
     prompts: tuple[int, ...]
     name: str = "trace"
 
@@ -52,14 +56,18 @@ def random_prompt(rt: Runtime, length: int, seed: int) -> list[int]:
     return ids
 
 
-def bench_decode(rt: Runtime, cfg: BenchConfig):
+def bench_decode(rt: Runtime, cfg: BenchConfig) -> DecodeConfig:
     """The runtime's decoding settings with the benchmark's length and the prefix cache."""
     return replace(rt.decode, max_new_tokens=cfg.gen_length, use_cache=True)
 
 
 def run_once(
-    rt: Runtime, prompt: list[int], decode, observers=(), follow: Trajectory | None = None
-) -> tuple[Any, dict | None, list[int]]:
+    rt: Runtime,
+    prompt: list[int],
+    decode: DecodeConfig | None,
+    observers: Sequence[DecodeObserver] = (),
+    follow: Trajectory | None = None,
+) -> Generation:
     """One generation (committing what `follow` committed, if given): its decoding statistics,
     the offload engine's figures, its tokens."""
     tokens: list[int] = []
@@ -70,7 +78,9 @@ def run_once(
     return rt.last_stats, rt.offload_summary(), tokens
 
 
-def run_replay(rt: Runtime, trace, index: int, observers=()) -> tuple[Any, dict | None, list[int]]:
+def run_replay(
+    rt: Runtime, trace: RoutingTrace, index: int, observers: Sequence[DecodeObserver] = ()
+) -> Generation:
     """One replay of traced prompt `index` (Runtime.replay_stream): its decoding statistics,
     the offload engine's figures, its tokens."""
     tokens: list[int] = []

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from oled.bench.runs import BenchConfig, bench_decode, random_prompt
+from oled.decoding import DecodeConfig
 from oled.decoding.decoder import median_p90
 from oled.progress import track
 from oled.runtime import Runtime
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 @dataclass
@@ -65,7 +69,9 @@ def bench_streams(
     return rows
 
 
-def _single(rt: Runtime, pool: list[list[int]], decode) -> tuple[list[Request], float, float]:
+def _single(
+    rt: Runtime, pool: list[list[int]], decode: DecodeConfig
+) -> tuple[list[Request], float, float]:
     """Every request alone, in turn: the requests, the copies, the seconds in all."""
     out, copies, seconds = [], 0.0, 0.0
     for prompt in track(pool, "1 stream"):
@@ -81,7 +87,7 @@ def _single(rt: Runtime, pool: list[list[int]], decode) -> tuple[list[Request], 
 
 
 def _batched(
-    rt: Runtime, pool: list[list[int]], decode, n: int
+    rt: Runtime, pool: list[list[int]], decode: DecodeConfig, n: int
 ) -> tuple[list[Request], float, float]:
     """The pool in groups of n that arrive together, each group decoded as one batch."""
     dec = rt.batch_decoder(n, block_length=decode.block_length)
@@ -153,7 +159,7 @@ def _row(
     }
 
 
-def streams_table(rows: list[dict[str, Any]]):
+def streams_table(rows: list[dict[str, Any]]) -> Table:
     """A rich table of stream rows, with each row's throughput against its config's first."""
     from rich.table import Table
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import platform
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oled.bench.report import machine
 from oled.model.stages import STAGES
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 OFFLOAD_COLUMNS = [
     "hit rate",
@@ -25,7 +28,7 @@ OFFLOAD_COLUMNS = [
 ]
 
 
-def table(rows: list[dict[str, Any]]):
+def table(rows: list[dict[str, Any]]) -> Table:
     """A rich table: latency first, then throughput, ratios and offload columns when present."""
     from rich.table import Table
 
@@ -130,7 +133,7 @@ def _offload_cells(o: dict[str, Any], prompt_ms: float | None) -> list[str]:
     ]
 
 
-def stage_table(rows: list[dict[str, Any]]):
+def stage_table(rows: list[dict[str, Any]]) -> Table:
     """Device milliseconds per iteration of each forward stage, a column per stage."""
     from rich.table import Table
 
@@ -149,7 +152,7 @@ def stage_table(rows: list[dict[str, Any]]):
     return out
 
 
-def host_table(rows: list[dict[str, Any]], columns: int = 12):
+def host_table(rows: list[dict[str, Any]], columns: int = 12) -> Table:
     """The host milliseconds per iteration of the stages and API calls that take the most."""
     from rich.table import Table
 
@@ -157,7 +160,7 @@ def host_table(rows: list[dict[str, Any]], columns: int = 12):
     for r in rows:
         for name, ms in r.get("host_ms_per_iteration", {}).items():
             peak[name] = max(peak.get(name, 0.0), ms)
-    names = sorted(peak, key=peak.get, reverse=True)[:columns]
+    names = sorted(peak, key=lambda name: peak[name], reverse=True)[:columns]
     title = "host ms per iteration by stage (inclusive) and CUDA API call (graphs as run)"
     out = Table(show_edge=False, header_style="bold", title=title)
     for col in ["config", *names]:

@@ -6,7 +6,16 @@ Names load on first use, so that the settings (`oled.decoding.config`) come with
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names as the type checker sees them; loaded lazily below
+    from oled.decoding.config import DecodeConfig as DecodeConfig
+    from oled.decoding.decoder import BlockDecoder as BlockDecoder
+    from oled.decoding.decoder import GenerationStats as GenerationStats
+    from oled.decoding.follow import Trajectory as Trajectory
+    from oled.decoding.observers import BlockInfo as BlockInfo
+    from oled.decoding.observers import DecodeObserver as DecodeObserver
+    from oled.decoding.observers import IterationInfo as IterationInfo
 
 _HOMES = {
     "BlockDecoder": "decoder",

@@ -50,7 +50,8 @@ class Stream:
     block: int = 0  # block index
     iteration: int = 0  # within the block
     cached: int = 0  # positions whose keys and values the slot holds
-    masked: Tensor | None = None  # [L] bool: open positions of the block
+    # [L] bool: the block's open positions (set on admission)
+    masked: Tensor = field(init=False, repr=False)
     generated: list[int] = field(default_factory=list)
     done: bool = False
 
@@ -101,7 +102,7 @@ class BatchDecoder:
         self.blocks_begun = 0  # over every stream (a new value tells policies a block began)
         self.running = False  # between on_generation_start and on_generation_end
 
-    def _emit(self, hook: str, *args) -> None:
+    def _emit(self, hook: str, *args: object) -> None:
         for obs in self.observers:
             getattr(obs, hook)(*args)
 
@@ -248,6 +249,7 @@ class BatchDecoder:
             device=self.device,
             exact=not self.forward.graphed,
         )
+        assert self.cache is not None  # reserved on admission
         logits = self.forward.batch(
             tokens, rows=rows, cache=self.cache, block_length=self.block_length
         )  # [1, B * L, V]
@@ -259,6 +261,7 @@ class BatchDecoder:
         """The keys a forward attends per stream: `needed` rounded up to a power of two (at
         least 64, at most the cache's length), so that forwards share graphs."""
         keys = max(64, 1 << (needed - 1).bit_length())
+        assert self.cache is not None  # reserved on admission
         return min(keys, self.cache.max_len)
 
     def _commit(self, s: Stream, logits: Tensor) -> tuple[Tensor, Tensor]:

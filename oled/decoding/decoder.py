@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.types import Device
 
 from oled.decoding.config import DecodeConfig
 from oled.decoding.follow import Trajectory
 from oled.decoding.observers import BlockInfo, DecodeObserver, IterationInfo
 from oled.model.graphs import EagerForward
-from oled.model.model import LLaDA2Model
+from oled.model.model import KVCache, LLaDA2Model
 from oled.model.stages import stage
 
 
@@ -110,7 +111,7 @@ class BlockDecoder:
         self.stats = GenerationStats()
         self._follow: Trajectory | None = None  # the generation this one follows, if any
 
-    def _emit(self, hook: str, *args) -> None:
+    def _emit(self, hook: str, *args: object) -> None:
         for obs in self.observers:
             getattr(obs, hook)(*args)
 
@@ -120,7 +121,7 @@ class BlockDecoder:
         prompt: Sequence[int],
         cfg: DecodeConfig,
         *,
-        cancelled=lambda: False,
+        cancelled: Callable[[], bool] = lambda: False,
         follow: Trajectory | None = None,
     ) -> Iterator[BlockInfo]:
         """Yield each finished block; `self.stats` holds the running totals. With `follow`,
@@ -142,7 +143,17 @@ class BlockDecoder:
         finally:
             self._emit("on_generation_end")
 
-    def _blocks(self, seq, p, first, n_blocks, cfg, cache, gen, cancelled) -> Iterator[BlockInfo]:
+    def _blocks(
+        self,
+        seq: Tensor,
+        p: int,
+        first: int,
+        n_blocks: int,
+        cfg: DecodeConfig,
+        cache: KVCache | None,
+        gen: torch.Generator | None,
+        cancelled: Callable[[], bool],
+    ) -> Iterator[BlockInfo]:
         bl = cfg.block_length
         generated: list[int] = []
         for b in range(n_blocks):
@@ -177,7 +188,16 @@ class BlockDecoder:
                 self.stats.stopped = "cancelled"
                 return
 
-    def _decode_block(self, seq, b, start, cfg, cache, gen, cancelled) -> int | None:
+    def _decode_block(
+        self,
+        seq: Tensor,
+        b: int,
+        start: int,
+        cfg: DecodeConfig,
+        cache: KVCache | None,
+        gen: torch.Generator | None,
+        cancelled: Callable[[], bool],
+    ) -> int | None:
         """Iterate until the block at `start` has no mask; the iterations, None if cancelled.
 
         Each iteration's one host sync (is any mask left?) comes at its end, so its time
@@ -189,7 +209,9 @@ class BlockDecoder:
         open_ = bool(masked.any())
         it = 0
         follow = self._follow
-        agreed = followed = 0  # device counts when following (read once, at the block's end)
+        # device counts when following (read once, at the block's end)
+        agreed: int | Tensor = 0
+        followed: int | Tensor = 0
         while open_:
             if cancelled():
                 return None
@@ -238,7 +260,9 @@ class BlockDecoder:
             self.stats.agreed += int(agreed)
         return it
 
-    def _forward(self, seq, start, end, cache, bl) -> tuple[Tensor, int]:
+    def _forward(
+        self, seq: Tensor, start: int, end: int, cache: KVCache | None, bl: int
+    ) -> tuple[Tensor, int]:
         """Block logits [L, V]; with a cache, pending prefix tokens run in the same forward."""
         if cache is None:
             logits = self.forward(
@@ -266,7 +290,7 @@ def layout(prompt_length: int, cfg: DecodeConfig, limit: int) -> tuple[int, int,
     return first, n_blocks, total
 
 
-def masked_sequence(prompt: Sequence[int], total: int, mask_id: int, device) -> Tensor:
+def masked_sequence(prompt: Sequence[int], total: int, mask_id: int, device: Device) -> Tensor:
     """[1, total] int64: the prompt, then mask ids."""
     seq = torch.full((1, total), mask_id, dtype=torch.long, device=device)  # [1, S]
     seq[0, : len(prompt)] = torch.tensor(list(prompt), dtype=torch.long, device=device)
@@ -283,7 +307,9 @@ def block_answer(
     return (new if stop_at is None else new[:stop_at]), stop_at
 
 
-def _confidence(logits: Tensor, temperature: float, gen) -> tuple[Tensor, Tensor]:
+def _confidence(
+    logits: Tensor, temperature: float, gen: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
     """Per position: (probability of the chosen token, chosen token). logits [L, V] fp32."""
     if temperature == 0:
         probs = torch.softmax(logits, dim=-1)

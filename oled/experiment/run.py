@@ -258,7 +258,9 @@ def run_experiment(
     FAILED if anything raises."""
     console = console or Console(stderr=True)
     if factory is None:
-        from oled.runtime import build as factory
+        from oled.runtime import build
+
+        factory = build
     work = load_workload(recipe)
     check_store(recipe)  # an MLflow store that cannot open fails before the model loads
     start = time.perf_counter()

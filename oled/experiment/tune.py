@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -27,6 +27,9 @@ from oled import registry as reg
 from oled.experiment.tracking import Tracker, check_store, tracked_run
 from oled.recipe import Recipe, SearchSpace, load_recipe
 from oled.recipe.schema import TuneSection
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 Objective = Callable[[Recipe], dict[str, float]]
 
@@ -289,7 +292,9 @@ def study_plots(study: Any, folder: Path, console: Console) -> list[Path]:
     from oled.experiment.report import pyplot, save_figure
 
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    plots = {"optimization_history": vis.plot_optimization_history}
+    plots: dict[str, Callable[[optuna.Study], Axes]] = {
+        "optimization_history": vis.plot_optimization_history
+    }
     if len(complete) >= 2 and study.best_params:
         plots["param_importances"] = vis.plot_param_importances
     else:

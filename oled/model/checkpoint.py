@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+from torch.types import Device
 
 from oled.model.config import ModelConfig
 from oled.model.experts import ExpertStore
@@ -104,7 +105,7 @@ class ShardReader:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._stack = ExitStack()
-        self._files: dict[str, object] = {}
+        self._files: dict[str, safe_open] = {}
         self._headers: dict[str, dict[str, dict[str, Any]]] = {}
         index = path / INDEX
         if index.exists():
@@ -134,7 +135,7 @@ class ShardReader:
             self._headers[shard] = shard_header(file)
         return self._headers[shard]
 
-    def _file(self, shard: str):
+    def _file(self, shard: str) -> safe_open:
         if shard not in self._files:
             self.header(shard)
             try:
@@ -149,7 +150,7 @@ class ShardReader:
         or the shard lacks it."""
         shard = self.weight_map.get(name)
         found = self.header(shard).get(name) if shard is not None else None
-        if found is None:
+        if shard is None or found is None:
             where = self.path / (shard or self.index_name)
             raise CheckpointError(f"{where}: tensor {name!r} is missing")
         return shard, found
@@ -217,10 +218,12 @@ def load_checkpoint(
     return Checkpoint(path=path, config=cfg, model=model, experts=experts, tokenizer=tokenizer)
 
 
-def _load_dense(reader: ShardReader, cfg: ModelConfig, device, dtype) -> LLaDA2Model:
+def _load_dense(
+    reader: ShardReader, cfg: ModelConfig, device: Device, dtype: torch.dtype
+) -> LLaDA2Model:
     model = _skeleton(cfg)
     tied = model.tied_names()  # read through the tensor they are tied to
-    state = {}
+    state: dict[str, Tensor] = {}
     for name, ref in model.state_dict().items():
         if name in tied:
             continue
@@ -237,7 +240,9 @@ def _load_dense(reader: ShardReader, cfg: ModelConfig, device, dtype) -> LLaDA2M
     return model.eval()
 
 
-def _load_experts(reader: ShardReader, cfg: ModelConfig, dtype, pin: bool, progress: bool):
+def _load_experts(
+    reader: ShardReader, cfg: ModelConfig, dtype: torch.dtype, pin: bool, progress: bool
+) -> ExpertStore:
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     store = ExpertStore.empty(
         layers=cfg.num_moe_layers, experts=cfg.num_experts, hidden=h, inter=i, dtype=dtype, pin=pin

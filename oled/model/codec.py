@@ -112,6 +112,8 @@ def encoded_size(
         return _scaled_layout(n, shape[-1], n)[2]
     if codec == "int4":
         return _scaled_layout(n, int4_group(shape[-1]), n // 2)[2]
+    if counts is None:
+        raise ValueError("a lossless row's size needs its table's exponent counts")
     return max(_Layout.of(n, counts[lo : lo + group]).size for lo in range(0, len(counts), group))
 
 
@@ -181,9 +183,9 @@ class _Layout:
     def of(cls, n: int, counts: Tensor, size: int = 0) -> _Layout:
         """Sized from the rows' exponent counts [G, 256]: room for the busiest row's second and
         third levels; at least `size` bytes a row."""
-        primary, secondary = _books(counts)
-        top3 = counts.gather(1, primary).sum(1)
-        top10 = top3 + counts.gather(1, secondary).sum(1)
+        primary_book, secondary_book = _books(counts)
+        top3 = counts.gather(1, primary_book).sum(1)
+        top10 = top3 + counts.gather(1, secondary_book).sum(1)
         most_secondary, most_escapes = int((n - top3).max()), int((n - top10).max())
         # every section starts 16-byte aligned: the decoder reads them in 16-byte vectors
         primary = _align(HEADER + n, 16)
@@ -342,7 +344,9 @@ def _scaled_rows(tag: int, n: int, per: int, scale: Tensor, codes: Tensor, size:
     return rows
 
 
-def _scaled_parts(rows: Tensor, header: list[int], n: int, code_bytes: int):
+def _scaled_parts(
+    rows: Tensor, header: list[int], n: int, code_bytes: int
+) -> tuple[Tensor, Tensor, int]:
     """(scales [N, n / per] fp32, codes [N, code_bytes] uint8, per) of rows sharing `header`."""
     per, s_off, d_off = header[2:5]
     scale = rows[:, s_off : s_off + 4 * (n // per)].contiguous().view(torch.float32)

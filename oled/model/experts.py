@@ -145,7 +145,9 @@ def _by_slot(slots: Tensor, s: int) -> tuple[Tensor, Tensor]:
     return order, flat[order]
 
 
-def _weighted_mlp(x, order, grouped, k: int, weights, w13, w2) -> Tensor:
+def _weighted_mlp(
+    x: Tensor, order: Tensor, grouped: Tensor, k: int, weights: Tensor, w13: Tensor, w2: Tensor
+) -> Tensor:
     """Gate weight x SwiGLU expert of each sorted pair: [N, H] fp32 (N = len(order))."""
     ends = torch.arange(1, w13.shape[0] + 1, device=x.device)  # [S]
     offs = torch.searchsorted(grouped, ends, out_int32=True)  # [S] end of each slot's rows

@@ -22,13 +22,27 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Protocol
+from functools import partial
+from typing import Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor
+from torch.types import Device
 
 from oled.model.experts import combine
-from oled.model.model import BatchRows, KVCache, LLaDA2Model, MoERequest, drive
+from oled.model.model import (
+    BatchRows,
+    ExpertExecutor,
+    ForwardSteps,
+    KVCache,
+    LLaDA2Model,
+    MoERequest,
+    drive,
+)
+
+T = TypeVar("T")
+# A forward's steps over its static tokens and, for a batched forward, its static rows.
+MakeSteps = Callable[[Tensor, BatchRows | None], ForwardSteps]
 
 
 class PiecewiseExecutor(Protocol):
@@ -70,7 +84,7 @@ class Graphs:
             self.put(key, graph)
         graph.replay()
 
-    def capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    def capture(self, fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
         """Capture `fn` (not run) on the capture stream; the graph and fn's result."""
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream()
@@ -120,14 +134,14 @@ class EagerForward:
     def __init__(self, model: LLaDA2Model) -> None:
         self.model = model
 
-    def new_cache(self, total: int, device) -> KVCache:
+    def new_cache(self, total: int, device: Device) -> KVCache:
         return self._kv(1, total, device)
 
-    def new_batch_cache(self, slots: int, total: int, device) -> KVCache:
+    def new_batch_cache(self, slots: int, total: int, device: Device) -> KVCache:
         """A cache of `slots` sequences of up to `total` positions (batched decoding)."""
         return self._kv(slots, total, device)
 
-    def _kv(self, slots: int, total: int, device) -> KVCache:
+    def _kv(self, slots: int, total: int, device: Device) -> KVCache:
         dtype = self.model.model.word_embeddings.weight.dtype
         return KVCache(self.model.config, max_len=total, batch=slots, dtype=dtype, device=device)
 
@@ -165,10 +179,13 @@ class GraphedForward(EagerForward):
 
     graphed = True
 
-    def __init__(self, model: LLaDA2Model, executor, *, max_keys: int = 256) -> None:
+    def __init__(
+        self, model: LLaDA2Model, executor: ExpertExecutor, *, max_keys: int = 256
+    ) -> None:
         super().__init__(model)
-        self.executor = executor
         self.whole = bool(getattr(executor, "graph_safe", False))
+        # asked for pieces only when not graph-safe, which then makes it a PiecewiseExecutor
+        self.executor = cast(PiecewiseExecutor, executor)
         self.graphs = Graphs()
         self.captured: OrderedDict[tuple, _Captured] = OrderedDict()
         self.max_keys = max_keys
@@ -179,7 +196,7 @@ class GraphedForward(EagerForward):
         self.retried: set[tuple] = set()
         self.replays = 0
 
-    def new_cache(self, total: int, device) -> KVCache:
+    def new_cache(self, total: int, device: Device) -> KVCache:
         """The persistent cache, grown (and every graph dropped) when `total` does not fit."""
         if self.cache is None or self.cache.max_len < total:
             size = max(total, 2 * self.cache.max_len) if self.cache else total
@@ -190,7 +207,7 @@ class GraphedForward(EagerForward):
         self.cache.length = 0
         return self.cache
 
-    def new_batch_cache(self, slots: int, total: int, device) -> KVCache:
+    def new_batch_cache(self, slots: int, total: int, device: Device) -> KVCache:
         """A fresh batch cache (the graphs of the previous one's forwards are dropped)."""
         self.batch_cache = None
         for key in [k for k in self.captured if k[0] == "batch"]:
@@ -216,7 +233,7 @@ class GraphedForward(EagerForward):
         )
         key = (tuple(tokens.shape), start, block_length, logits_from, self.model.routing_key)
 
-        def steps(static: Tensor, _rows):
+        def steps(static: Tensor, _rows: BatchRows | None) -> ForwardSteps:
             return self.model.steps(
                 static,
                 start=start,
@@ -242,7 +259,7 @@ class GraphedForward(EagerForward):
         eager = cache is not self.batch_cache or rows.queries.shape[1] > 2 * block_length
         key = ("batch", rows.shape, block_length, self.model.routing_key)
 
-        def steps(static: Tensor, static_rows: BatchRows):
+        def steps(static: Tensor, static_rows: BatchRows | None) -> ForwardSteps:
             return self.model.steps(
                 static, cache=cache, block_length=block_length, rows=static_rows
             )
@@ -253,7 +270,9 @@ class GraphedForward(EagerForward):
             return logits
         return super().batch(tokens, rows=rows, cache=cache, block_length=block_length)
 
-    def _try_graphed(self, key: tuple, tokens: Tensor, rows: BatchRows | None, steps):
+    def _try_graphed(
+        self, key: tuple, tokens: Tensor, rows: BatchRows | None, steps: MakeSteps
+    ) -> Tensor | None:
         """The key's graphs replayed (captured first if new), or None where the forward runs
         eagerly: graphs failed, routing hooks attached (trace recording), the first forward,
         or a capture that failed (retried once, then eager for good)."""
@@ -268,7 +287,9 @@ class GraphedForward(EagerForward):
             self.retried.add(key)
             return None
 
-    def _graphed(self, key: tuple, tokens: Tensor, rows: BatchRows | None, steps):
+    def _graphed(
+        self, key: tuple, tokens: Tensor, rows: BatchRows | None, steps: MakeSteps
+    ) -> Tensor:
         """Replay the key's graphs (captured first if new); the logits [B, T', V]."""
         entry = self.captured.get(key)
         if entry is None:
@@ -279,7 +300,7 @@ class GraphedForward(EagerForward):
         else:
             self.captured.move_to_end(key)
             entry.tokens.copy_(tokens)
-            if rows is not None:
+            if rows is not None and entry.rows is not None:  # both or neither: the same key
                 entry.rows.copy_(rows)
         self._replay(entry)
         return entry.logits
@@ -294,28 +315,32 @@ class GraphedForward(EagerForward):
             self.executor.run_static(layer, entry.tokens.numel())
             graph.replay()
 
-    def _capture(self, tokens: Tensor, rows: BatchRows | None, make_steps):
+    def _capture(self, tokens: Tensor, rows: BatchRows | None, make_steps: MakeSteps) -> _Captured:
         """Capture the forward `make_steps(static tokens, static rows)` as graphs."""
         static = tokens.clone()
         static_rows = None if rows is None else BatchRows.clone(rows)
         steps = make_steps(static, static_rows)
         if self.whole:
-            graph, logits = self.graphs.capture(lambda: drive(steps, self.model.execute))
-            return _Captured(static, static_rows, logits, [graph], [])
+            graph, out = self.graphs.capture(lambda: drive(steps, self.model.execute))
+            return _Captured(static, static_rows, out, [graph], [])
         dtype = self.model.model.word_embeddings.weight.dtype
         t = static.numel()
-        pieces, layers, logits = [], [], None
+        pieces: list[torch.cuda.CUDAGraph] = []
+        layers: list[int] = []
+        logits: Tensor | None = None
         while logits is None:
             previous = layers[-1] if layers else None
             graph, (request, logits) = self.graphs.capture(
-                lambda previous=previous: self._piece(steps, previous, dtype, t)
+                partial(self._piece, steps, previous, dtype, t)
             )
             pieces.append(graph)
             if request is not None:
                 layers.append(request.layer)
         return _Captured(static, static_rows, logits, pieces, layers)
 
-    def _piece(self, steps, previous: int | None, dtype, t: int):
+    def _piece(
+        self, steps: ForwardSteps, previous: int | None, dtype: torch.dtype, t: int
+    ) -> tuple[MoERequest | None, Tensor | None]:
         """One stretch of the forward: from the previous MoE layer's pairs (static) to the
         next routing, whose results go into the executor's static request; (request, None), or
         (None, logits) for the last stretch."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +11,14 @@ from torch import Tensor, nn
 
 from oled import kernels
 from oled.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from oled.model.model import BatchRows
+
+KV = tuple[Tensor, Tensor]  # one layer's key and value buffers
+# An attention mask: None (attend to all), a bool tensor, or for a batched forward with exact
+# spans (BatchRows.spans) one of them per sequence.
+Mask = Tensor | list[Tensor | None] | None
 
 
 class RMSNorm(nn.Module):
@@ -39,7 +48,7 @@ class Rotary:
         # rounding step in some frequencies, which grows with position); host even under meta
         steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
         self.inv_freq = 1.0 / (theta ** (steps / dim))  # [dim/2] fp32
-        self._cached: dict = {}
+        self._cached: dict[torch.device, Tensor] = {}
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin for absolute positions [T] -> each [T, dim]."""
@@ -81,9 +90,9 @@ class Attention(nn.Module):
         rotary: Rotary,
         cos: Tensor,
         sin: Tensor,
-        kv: tuple[Tensor, Tensor] | None,
-        past,
-        mask: Tensor | None,
+        kv: KV | None,
+        past: int | BatchRows,
+        mask: Mask,
     ) -> Tensor:
         """x [B, T, H]; kv: this layer's cache buffers [B, kv_heads, S_max, D] or None; past:
         the cached prefix length, or the BatchRows of a batched forward (x [1, T, H])."""
@@ -91,6 +100,7 @@ class Attention(nn.Module):
         qkv = self.query_key_value(x)  # [B, T, (h + 2 kv) * D]
         if not isinstance(past, int):
             return self._batched(qkv, rotary, cos, sin, kv, past, mask)
+        assert not isinstance(mask, list)  # one sequence, one mask
         if kernels.fused(qkv):
             q, k, v = self._qkv_fused(qkv, rotary, cos, sin, kv, past)
         else:
@@ -100,19 +110,31 @@ class Attention(nn.Module):
         )  # [B, h, T, D]
         return self.dense(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
-    def _batched(self, qkv, rotary, cos, sin, kv, rows, mask) -> Tensor:
+    def _batched(
+        self,
+        qkv: Tensor,
+        rotary: Rotary,
+        cos: Tensor,
+        sin: Tensor,
+        kv: KV | None,
+        rows: BatchRows,
+        mask: Mask,
+    ) -> Tensor:
         """Several sequences' rows qkv [1, T, ...] (oled.model.model.BatchRows): their keys and
         values into their slots, then one attention over padded [B, t_max] query blocks."""
         t = qkv.shape[1]
         qkv_ = self._qkv_fused if kernels.fused(qkv) else self._qkv
         q, k, v = qkv_(qkv, rotary, cos, sin, None, 0)  # [1, h, T, D], [1, kv, T, D] x2
+        assert kv is not None  # a batched forward writes into its slots
         kbuf, vbuf = kv  # [slots, kv, S_max, D]
         if rows.spans is not None:
+            assert isinstance(mask, list)  # one mask per sequence
             return self.dense(self._per_sequence(q, k, v, kbuf, vbuf, rows.spans, mask))
         kbuf[rows.row_slots, :, rows.positions] = k[0].transpose(0, 1)  # [T, kv, D]
         vbuf[rows.row_slots, :, rows.positions] = v[0].transpose(0, 1)
         keys = kbuf[:, :, : rows.keys].index_select(0, rows.slots)  # [B, kv, S, D]
         values = vbuf[:, :, : rows.keys].index_select(0, rows.slots)
+        assert not isinstance(mask, list)  # one mask for the padded block
         nb, t_max = rows.queries.shape
         padded = q[0].transpose(0, 1).index_select(0, rows.queries.view(-1))  # [B*t_max, h, D]
         padded = padded.view(nb, t_max, self.heads, self.head_dim).transpose(1, 2)
@@ -122,10 +144,20 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(nb * t_max, self.heads * self.head_dim)
         return self.dense(out.index_select(0, rows.unpad).view(1, t, -1))  # [1, T, H]
 
-    def _per_sequence(self, q, k, v, kbuf, vbuf, spans, masks) -> Tensor:
+    def _per_sequence(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kbuf: Tensor,
+        vbuf: Tensor,
+        spans: tuple[tuple[int, int, int], ...],
+        masks: list[Tensor | None],
+    ) -> Tensor:
         """Each sequence's attention over exactly its own keys, as a one-sequence forward:
         q [1, h, T, D], k/v [1, kv, T, D] -> [1, T, h * D]."""
-        outs, row = [], 0
+        outs: list[Tensor] = []
+        row = 0
         for (slot, start, n), mask in zip(spans, masks, strict=True):
             kb, vb = kbuf[slot : slot + 1], vbuf[slot : slot + 1]  # [1, kv, S_max, D]
             kb[:, :, start : start + n] = k[:, :, row : row + n]
@@ -144,7 +176,9 @@ class Attention(nn.Module):
         out = torch.cat(outs, dim=2)  # [1, h, T, D]
         return out.transpose(1, 2).reshape(1, row, self.heads * self.head_dim)
 
-    def _qkv(self, qkv, rotary, cos, sin, kv, past) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(
+        self, qkv: Tensor, rotary: Rotary, cos: Tensor, sin: Tensor, kv: KV | None, past: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Normed, rotated q [B, h, T, D] and the keys/values to attend [B, kv, S, D] (torch)."""
         b, t, _ = qkv.shape
         kv_width = self.kv_heads * self.head_dim
@@ -160,7 +194,9 @@ class Attention(nn.Module):
         vbuf[:, :, past : past + t] = v
         return q, kbuf[:, :, : past + t], vbuf[:, :, : past + t]
 
-    def _qkv_fused(self, qkv, rotary, cos, sin, kv, past) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv_fused(
+        self, qkv: Tensor, rotary: Rotary, cos: Tensor, sin: Tensor, kv: KV | None, past: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """As `_qkv`, in one kernel that also writes the new keys/values into the cache."""
         from oled.kernels.norm import qk_norm_rotary
 
@@ -204,6 +240,8 @@ class MLP(nn.Module):
 
 class Router(nn.Module):
     """LLaDA2's group-limited sigmoid router; the expert bias only selects."""
+
+    expert_bias: Tensor  # a buffer [E]: saved with the weights, not trained by the optimizer
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

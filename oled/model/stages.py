@@ -7,7 +7,7 @@ be attributed to it (oled.bench.stage_breakdown); otherwise `stage` is an empty 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -29,7 +29,7 @@ STAGES = (
 _on = False
 
 
-def stage(name: str):
+def stage(name: str) -> AbstractContextManager[object]:
     """A profiler range `name` while annotating, else a no-op context."""
     return torch.profiler.record_function(name) if _on else nullcontext()
 

@@ -7,19 +7,21 @@ import contextlib
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypedDict, TypeVar, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from oled.decoding import DecodeConfig
 from oled.model.tokenizer import TokenizerError, check_text
 from oled.serve import protocol as p
 from oled.serve.engine import Done, Engine, Event, Failed, Job, Piece, RequestError, decode_config
+from oled.serve.metrics import Metrics
 
 MAX_BODY = 4 << 20
 POLL_S = 0.25
@@ -34,11 +36,23 @@ M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("oled.serve")
 
 
-def error_body(message: str, kind: str, param=None, code=None) -> p.ErrorResponse:
+class ResponseMeta(TypedDict):
+    """The fields every response and chunk of one request shares."""
+
+    id: str
+    created: int
+    model: str
+
+
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> p.ErrorResponse:
     return p.ErrorResponse(error=p.ErrorBody(message=message, type=kind, param=param, code=code))
 
 
-def error_response(status: int, message: str, kind: str, param=None, code=None) -> JSONResponse:
+def error_response(
+    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, code).model_dump(), status_code=status)
 
 
@@ -64,15 +78,15 @@ def route_label(path: str) -> str:
 class CountRequests:
     """ASGI middleware: count responses by route and status without touching the body."""
 
-    def __init__(self, app, metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         route = route_label(scope["path"])
 
-        async def counting_send(message) -> None:
+        async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 self.metrics.requests.labels(route=route, status=str(message["status"])).inc()
             await send(message)
@@ -85,15 +99,15 @@ class CatchErrors:
     shape, and the connection stays open (Starlette's last-resort handler re-raises, and uvicorn
     then drops the connection). One raised after the response started still propagates."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = False
 
-        async def watching_send(message) -> None:
+        async def watching_send(message: Message) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
             await send(message)
@@ -207,7 +221,7 @@ class Server:
         self.model_card(req.model)  # 404 unless it names the served model
         decode = self.decoding(req, rt.decode)
         check_length(prompt_ids, decode, rt.config.max_position_embeddings)
-        job = Job(prompt_ids, decode, asyncio.get_running_loop(), stops=req.stop or [])
+        job = Job(prompt_ids, decode, asyncio.get_running_loop(), stops=req.stops)
         return self.engine.submit(job)
 
     def decoding(self, req: p.SamplingParams, base: DecodeConfig) -> DecodeConfig:
@@ -242,7 +256,7 @@ class Server:
             )
         return decode
 
-    async def events(self, job: Job, request: Request) -> AsyncIterator[Event]:
+    async def events(self, job: Job, request: Request) -> AsyncGenerator[Event, None]:
         """The job's events; cancels the generation when the client goes away. One pending
         read of the queue lives across the polls (asyncio.wait does not cancel it on a
         timeout; before Python 3.12 wait_for could drop an event that came as it timed out)."""
@@ -264,7 +278,7 @@ class Server:
                 self.engine.metrics.disconnects.inc()
 
 
-def check_length(prompt_ids: list[int], decode, limit: int) -> None:
+def check_length(prompt_ids: list[int], decode: DecodeConfig, limit: int) -> None:
     if not prompt_ids:
         raise RequestError(400, "the prompt is empty", param="prompt", code="invalid_value")
     bl = decode.block_length
@@ -289,7 +303,7 @@ def usage(done: Done) -> p.Usage:
     )
 
 
-def finish(done: Done) -> str:
+def finish(done: Done) -> p.FinishReason:
     return "stop" if done.finish_reason == "stop" else "length"
 
 
@@ -312,19 +326,20 @@ def completion_prompt(server: Server, req: p.CompletionRequest) -> list[int]:
     rt = server.engine.require_ready()
     if isinstance(req.prompt, str):
         return rt.tokenizer.encode(req.prompt)
+    ids = cast(list[int], req.prompt)  # the validator made a list of one string a string
     vocab = rt.config.vocab_size
-    if any(not 0 <= t < vocab for t in req.prompt):
+    if any(not 0 <= t < vocab for t in ids):
         raise RequestError(
             400, f"prompt token ids must be in [0, {vocab})", param="prompt", code="invalid_value"
         )
-    return list(req.prompt)
+    return list(ids)
 
 
 async def chat_completions(server: Server, request: Request) -> Response:
     server.authorize(request)
     req = await parse_body(request, p.ChatCompletionRequest)
     job = server.make_job(req, chat_prompt(server, req))
-    meta = {"id": p.new_id("chatcmpl"), "created": p.now(), "model": server.model_name}
+    meta = ResponseMeta(id=p.new_id("chatcmpl"), created=p.now(), model=server.model_name)
     if req.stream:
         return streaming(chat_chunks(server, job, request, req, meta))
     text, end = await collect(server, job, request)
@@ -335,8 +350,10 @@ async def chat_completions(server: Server, request: Request) -> Response:
     return JSONResponse(body.model_dump())
 
 
-async def chat_chunks(server, job, request, req, meta) -> AsyncIterator[str]:
-    def chunk(delta: p.Delta, reason=None, **extra) -> str:
+async def chat_chunks(
+    server: Server, job: Job, request: Request, req: p.ChatCompletionRequest, meta: ResponseMeta
+) -> AsyncGenerator[str, None]:
+    def chunk(delta: p.Delta, reason: p.FinishReason | None = None, **extra: Any) -> str:
         choice = p.ChunkChoice(delta=delta, finish_reason=reason)
         return sse(p.ChatCompletionChunk(**meta, choices=[choice], **extra))
 
@@ -357,9 +374,9 @@ async def completions(server: Server, request: Request) -> Response:
     server.authorize(request)
     req = await parse_body(request, p.CompletionRequest)
     ids = completion_prompt(server, req)
+    echo = server.engine.require_ready().tokenizer.decode(ids) if req.echo else ""
     job = server.make_job(req, ids)
-    meta = {"id": p.new_id("cmpl"), "created": p.now(), "model": server.model_name}
-    echo = server.engine.runtime.tokenizer.decode(ids) if req.echo else ""
+    meta = ResponseMeta(id=p.new_id("cmpl"), created=p.now(), model=server.model_name)
     if req.stream:
         return streaming(text_chunks(server, job, request, req, meta, echo))
     text, end = await collect(server, job, request)
@@ -370,8 +387,15 @@ async def completions(server: Server, request: Request) -> Response:
     return JSONResponse(body.model_dump())
 
 
-async def text_chunks(server, job, request, req, meta, echo: str) -> AsyncIterator[str]:
-    def chunk(text: str, reason=None, **extra) -> str:
+async def text_chunks(
+    server: Server,
+    job: Job,
+    request: Request,
+    req: p.CompletionRequest,
+    meta: ResponseMeta,
+    echo: str,
+) -> AsyncGenerator[str, None]:
+    def chunk(text: str, reason: p.FinishReason | None = None, **extra: Any) -> str:
         choice = p.TextChoice(text=text, finish_reason=reason)
         return sse(p.Completion(**meta, choices=[choice], **extra))
 
@@ -395,7 +419,7 @@ async def sse_lines(
     request: Request,
     piece: Callable[[str], str],
     end: Callable[[Done], list[str]],
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """A stream's events as SSE lines: `piece(text)` per piece, then `end(done)`, else an error
     event; then `[DONE]`."""
     async with contextlib.aclosing(server.events(job, request)) as events:
@@ -443,7 +467,7 @@ def create_app(
     )
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI):
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
         await asyncio.to_thread(engine.stop)

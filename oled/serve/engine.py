@@ -29,6 +29,7 @@ from typing import Any
 from oled.decoding import BlockInfo, DecodeConfig, DecodeObserver
 from oled.decoding.batch import BatchDecoder, Stream
 from oled.decoding.observers import BatchIterationInfo
+from oled.model.tokenizer import Tokenizer
 from oled.recipe.schema import RUNTIME
 from oled.runtime import Runtime, stats_dict
 from oled.serve.metrics import OFFLOAD_COUNTERS, Metrics
@@ -236,6 +237,7 @@ class Engine:
         while self._receive(wait=not (self._batch or self._pending)):
             dec = self._admit(dec)
             if self._batch:
+                assert dec is not None  # _admit gave the batch its decoder
                 dec = self._step(dec)
         self.close()  # told to stop: nothing is left waiting
 
@@ -344,6 +346,7 @@ class Engine:
             return
         if tail := run.text.flush():
             job.emit(Piece(tail))
+        assert self.runtime is not None  # loaded before any job ran
         stats = stats_dict(self.runtime, stream.stats)
         finish = "stop" if run.text.stopped else stream.stats.stopped
         done = Done(finish, len(job.prompt_ids), run.text.token_count(), stats)
@@ -375,7 +378,7 @@ def failure(err: Exception) -> Failed:
 class TextAssembler:
     """Turns blocks of token ids into text pieces: whole characters only, cut at stop strings."""
 
-    def __init__(self, tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1

@@ -113,6 +113,15 @@ class SamplingParams(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def stops(self) -> list[str]:
+        """The stop strings (`stop` as the validator left it: a list, or None for none)."""
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
+
+    def wanted_tokens(self) -> int | None:
+        """The answer's length the request asks for, None: the server's default."""
+        return self.max_tokens
+
 
 class ChatCompletionRequest(SamplingParams):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
@@ -152,9 +161,6 @@ class CompletionRequest(SamplingParams):
     ] = None
     suffix: Annotated[str | None, refused("no text after the completion", "")] = None
 
-    def wanted_tokens(self) -> int | None:
-        return self.max_tokens
-
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value: str | list) -> str | list:
@@ -187,10 +193,13 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+FinishReason = Literal["stop", "length"]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     logprobs: None = None
 
 
@@ -212,7 +221,7 @@ class Delta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     logprobs: None = None
 
 
@@ -229,7 +238,7 @@ class ChatCompletionChunk(BaseModel):
 class TextChoice(BaseModel):
     index: int = 0
     text: str
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     logprobs: None = None
 
 

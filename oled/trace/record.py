@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import Tensor
 
 from oled.decoding.observers import DecodeObserver, IterationInfo
 from oled.progress import track
+
+if TYPE_CHECKING:
+    from oled.decoding.config import DecodeConfig
+    from oled.decoding.follow import Trajectory
+    from oled.decoding.trace_file import Trace
+    from oled.runtime import Runtime
+    from oled.trace.recorder import TraceRecorder
 
 
 class _StepRecorder(DecodeObserver):
     """Hands every iteration's token states to the trace recorder."""
 
-    def __init__(self, recorder) -> None:
+    def __init__(self, recorder: TraceRecorder) -> None:
         self.recorder = recorder
 
     def on_generation_start(self, prompt_length: int) -> None:
@@ -23,7 +34,7 @@ class _StepRecorder(DecodeObserver):
         self.recorder.record_step(step_context(info))
 
 
-def recording(runtime):
+def recording(runtime: Runtime) -> tuple[TraceRecorder, DecodeObserver, Callable[[], None]]:
     """A recorder for `runtime`'s model and the two hooks that feed it.
 
     Returns (recorder, observer, remove): pass `observer` to `Runtime.stream`; call `remove()`
@@ -41,15 +52,20 @@ def recording(runtime):
         model_path=str(runtime.checkpoint.path),
     )
 
-    def hook(layer, ids, weights) -> None:
+    def hook(layer: int, ids: Tensor, weights: Tensor) -> None:
         recorder.record_routing(layer, ids.cpu().numpy(), weights.float().cpu().numpy())
 
     return recorder, _StepRecorder(recorder), runtime.model.add_routing_hook(hook)
 
 
 def record(
-    runtime, prompt_ids: list[list[int]], *, decode=None, follow=None, progress: bool = False
-):
+    runtime: Runtime,
+    prompt_ids: list[list[int]],
+    *,
+    decode: DecodeConfig | None = None,
+    follow: Trajectory | None = None,
+    progress: bool = False,
+) -> Trace:
     """Decode each prompt with `runtime` (its decode settings unless `decode`; committing
     `follow`'s tokens if given), recording per forward and MoE layer the routing: the Trace.
     `progress`: a bar per prompt on a terminal (oled.progress.track)."""
@@ -63,7 +79,9 @@ def record(
     return recorder.build()
 
 
-def record_replay(runtime, trace, prompts=None, *, progress: bool = False):
+def record_replay(
+    runtime: Runtime, trace: Trace, prompts: Sequence[int] | None = None, *, progress: bool = False
+) -> Trace:
     """Replay `trace`'s prompts (indices; all by default) on `runtime` (Runtime.replay),
     recording what the runtime routed, committed and reported: the Trace (the replayed one,
     row for row, with weights at the recorder's precision); `progress` as in `record`."""
@@ -78,7 +96,7 @@ def record_replay(runtime, trace, prompts=None, *, progress: bool = False):
 
 
 def record_trace(
-    runtime, prompt_ids: list[list[int]], out: Path, *, progress: bool = False
+    runtime: Runtime, prompt_ids: list[list[int]], out: Path, *, progress: bool = False
 ) -> Path:
     """`record` the prompts' routing into the trace file `out`."""
     record(runtime, prompt_ids, progress=progress).save(out)

@@ -85,8 +85,8 @@ class TraceRecorder:
             weights=(
                 cat(self._weights, axis=1) if self._weights else np.zeros((n, 0, k), np.float16)
             ),
-            token_state=cat([c.token_state for c in self._ctx] or [[]]).astype(np.int8),
-            confidence=cat([c.confidence for c in self._ctx] or [[]]).astype(np.float32),
+            token_state=cat([c.token_state for c in self._ctx] or [np.zeros(0)]).astype(np.int8),
+            confidence=cat([c.confidence for c in self._ctx] or [np.zeros(0)]).astype(np.float32),
             row_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
             block=np.array([c.block for c in self._ctx], np.int32),
             iteration=np.array([c.iteration for c in self._ctx], np.int32),

@@ -25,16 +25,53 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from oled.decoding.decoder import DecodeConfig
+from oled.decoding.config import DecodeConfig
 from oled.decoding.follow import Trajectory
 from oled.decoding.observers import DecodeObserver, IterationInfo
+from oled.model.config import ModelConfig
 from oled.model.model import LLaDA2Model, RoutingOverride
+from oled.model.tokenizer import Tokenizer
 from oled.token_states import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
+
+
+class TracedGeometry(Protocol):
+    """A trace's routing geometry (its `meta`)."""
+
+    @property
+    def num_moe_layers(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+
+
+class RoutingTrace(Protocol):
+    """What a replay reads of a routing trace (the module docstring lists the shapes)."""
+
+    @property
+    def meta(self) -> TracedGeometry: ...
+    @property
+    def ids(self) -> np.ndarray: ...
+    @property
+    def weights(self) -> np.ndarray: ...
+    @property
+    def token_state(self) -> np.ndarray: ...
+    @property
+    def confidence(self) -> np.ndarray: ...
+    @property
+    def row_offsets(self) -> np.ndarray: ...
+    @property
+    def block(self) -> np.ndarray: ...
+    @property
+    def iteration(self) -> np.ndarray: ...
+    @property
+    def step(self) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -69,8 +106,8 @@ class ReplayTrajectory(Trajectory):
     def __init__(self, commits: Tensor, confidence: Tensor, token: int) -> None:
         super().__init__()
         self.commits, self.confidence = commits, confidence  # [S, L] bool, [S, L] fp32
-        self.tokens = torch.full(commits.shape, token, dtype=torch.long)  # [S, L]
-        self.steps = list(zip(self.commits, self.tokens, strict=True))
+        self.forced = torch.full(commits.shape, token, dtype=torch.long)  # [S, L]
+        self.steps = list(zip(self.commits, self.forced, strict=True))
 
     def on_generation_start(self, prompt_length: int) -> None:
         """Not a recorder: the schedule stays."""
@@ -81,15 +118,15 @@ class ReplayTrajectory(Trajectory):
     def to(self, device: torch.device) -> ReplayTrajectory:
         """The same schedule with its tensors on `device` (so following it copies nothing)."""
         self.commits, self.confidence = self.commits.to(device), self.confidence.to(device)
-        self.tokens = self.tokens.to(device)
-        self.steps = list(zip(self.commits, self.tokens, strict=True))
+        self.forced = self.forced.to(device)
+        self.steps = list(zip(self.commits, self.forced, strict=True))
         return self
 
     def confidence_at(self, step: int, device: torch.device) -> Tensor:
         return self.confidence[step].to(device)
 
 
-def geometry(meta) -> tuple[int, int, int]:
+def geometry(meta: TracedGeometry | ModelConfig) -> tuple[int, int, int]:
     """(MoE layers, experts, top-k) of a trace's or a model config's routing."""
     top_k = meta.top_k if hasattr(meta, "top_k") else meta.num_experts_per_tok
     return int(meta.num_moe_layers), int(meta.num_experts), int(top_k)
@@ -99,7 +136,7 @@ def _shape(g: tuple[int, int, int]) -> str:
     return f"{g[0]} MoE layers x {g[1]} experts, top-{g[2]}"
 
 
-def check_geometry(trace, config) -> None:
+def check_geometry(trace: RoutingTrace, config: ModelConfig) -> None:
     """ValueError (one line, both shapes) unless the model routes like the trace."""
     traced, model = geometry(trace.meta), geometry(config)
     if traced != model:
@@ -133,7 +170,7 @@ def select_prompts(spec: str | None, count: int) -> list[int]:
     return out
 
 
-def split_prompts(trace, block_length: int = 32) -> list[ReplayPrompt]:
+def split_prompts(trace: RoutingTrace, block_length: int = 32) -> list[ReplayPrompt]:
     """The traced generations, checked to be replayable. The block length comes from the trace
     (the rows of a block's later forwards, or half those of a later block's first forward);
     `block_length` only where no forward tells it (every prompt one block, one forward)."""
@@ -205,7 +242,7 @@ def split_prompts(trace, block_length: int = 32) -> list[ReplayPrompt]:
     return prompts
 
 
-def _block_length(rows, block, iteration, fallback: int) -> int:
+def _block_length(rows: np.ndarray, block: np.ndarray, iteration: np.ndarray, fallback: int) -> int:
     found = set(rows[iteration > 0].tolist())
     firsts = rows[(iteration == 0) & (block > 0)]
     found |= {r / 2 for r in firsts.tolist()}
@@ -235,7 +272,7 @@ class RoutingReplay(DecodeObserver):
     checks that the forward ran the traced rows. `Runtime.replay` drives it.
     """
 
-    def __init__(self, trace, *, block_length: int = 32, seed: int = 0) -> None:
+    def __init__(self, trace: RoutingTrace, *, block_length: int = 32, seed: int = 0) -> None:
         self.trace = trace
         self.prompts = split_prompts(trace, block_length)
         self.seed = seed
@@ -243,14 +280,15 @@ class RoutingReplay(DecodeObserver):
         self.max_rows = int(np.diff(np.asarray(trace.row_offsets)).max())
         self.model: LLaDA2Model | None = None
         self.override: RoutingOverride | None = None
-        self._ids_host = self._weights_host = None
+        self._ids_host = torch.empty(0, dtype=torch.long)  # pinned staging, made by `bind`
+        self._weights_host = torch.empty(0, dtype=torch.float32)
         self._loaded: torch.cuda.Event | None = None  # the last copy out of the staging
         self._prompt: ReplayPrompt | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def check(self, config) -> None:
+    def check(self, config: ModelConfig) -> None:
         """ValueError unless a model of `config` routes like the trace."""
         check_geometry(self.trace, config)
 
@@ -361,6 +399,6 @@ def commit_token(vocab_size: int, exclude: Collection[int]) -> int:
     return next(i for i in range(vocab_size) if i not in skip)
 
 
-def special_ids(tokenizer) -> Sequence[int]:
+def special_ids(tokenizer: Tokenizer) -> Sequence[int]:
     """Ids that a replay's prompt and commits avoid: mask, EOS and the stop ids."""
     return sorted({tokenizer.mask_id, tokenizer.eos_id, *tokenizer.stop_ids})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +24,9 @@ from oled.policies.base import (
 )
 from oled.policies.planner import LayerPlan, Planner
 from oled.trace.format import Trace
+
+if TYPE_CHECKING:
+    pass
 
 
 @dataclass
@@ -64,18 +68,19 @@ class _Clock:
     def layer(self, t0: float, plan: LayerPlan, cost: CostModel) -> float:
         """Advance through one layer; returns its end time."""
         n_hits = len(plan.hits)
-        gpu_end = t0 + cost.gpu_ms(n_hits)
+        # counts are ints, so the costs are floats (arrays of counts give arrays)
+        gpu_end = t0 + float(cost.gpu_ms(n_hits))
         n_copy = len(plan.copy_experts) + len(plan.stage_experts)
         if n_copy:
-            copy_done = max(t0, self.copy_free) + cost.copy_ms(n_copy)
+            copy_done = max(t0, self.copy_free) + float(cost.copy_ms(n_copy))
             self.copy_free = copy_done
             n_late = len(plan.gpu_experts) - n_hits + len(plan.stage_experts)
             if n_late:
                 self.stall += max(0.0, copy_done - gpu_end)
-                gpu_end = max(gpu_end, copy_done) + cost.gpu_ms(n_late)
+                gpu_end = max(gpu_end, copy_done) + float(cost.gpu_ms(n_late))
         cpu_end = t0
         if len(plan.cpu_experts):
-            work = float(cost.cpu_ms(plan.cpu_tokens).sum())
+            work = float(np.sum(cost.cpu_ms(plan.cpu_tokens)))
             cpu_end = max(t0, self.cpu_free) + work
             self.cpu_free = cpu_end
         return max(gpu_end, cpu_end)
@@ -251,7 +256,7 @@ def _pop_furthest(cached: dict[int, int], heap: list[tuple[int, int]]) -> None:
     del cached[heapq.heappop(heap)[1]]
 
 
-def belady_bypass(trace: Trace, capacities: list[int] | np.ndarray) -> float:
+def belady_bypass(trace: Trace, capacities: list[int] | list[list[int]] | np.ndarray) -> float:
     """Offline-optimal hit rate (evict furthest next use; a miss may bypass the cache).
 
     `capacities`: per MoE layer [L], or per step and layer [S, L] for re-planned allocations

@@ -34,14 +34,20 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from oled.token_states import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
 from oled.trace.format import Trace
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+Cell = Callable[[dict], str]  # one result -> its cell of a row
 
 CONF_EDGES = (0.3, 0.6, 0.9)
 GROUPS = ("masked <0.3", "masked 0.3-0.6", "masked 0.6-0.9", "masked >=0.9", "committed", "fixed")
@@ -83,7 +89,9 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
         return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
 
 
-def _presence(ids: np.ndarray, step_of_row: np.ndarray, rows: np.ndarray, steps: int, experts: int):
+def _presence(
+    ids: np.ndarray, step_of_row: np.ndarray, rows: np.ndarray, steps: int, experts: int
+) -> np.ndarray:
     """[L, S, E] bool: expert e named by a selected row of step s in layer l."""
     layers = ids.shape[0]
     p = np.zeros(layers * steps * experts, bool)
@@ -377,7 +385,7 @@ def _f(v: float | None, fmt: str = "{:.3f}") -> str:
 def _rows() -> list[tuple[str, Any]]:
     """(label, result -> cell) of the table."""
 
-    def lm(*path: str, fmt: str = "{:.3f}"):
+    def lm(*path: str, fmt: str = "{:.3f}") -> Cell:
         def cell(res: dict) -> str:
             x = res
             for p in path:
@@ -386,7 +394,7 @@ def _rows() -> list[tuple[str, Any]]:
 
         return cell
 
-    def pair(key: str, d: int):
+    def pair(key: str, d: int) -> Cell:
         def cell(res: dict) -> str:
             o = res["overlap"][key]
             return f"{_f(o['within_block'][str(d)]['layer_mean'])} / " + _f(
@@ -467,7 +475,7 @@ def _rows() -> list[tuple[str, Any]]:
     return out
 
 
-def stats_table(results: list[dict[str, Any]], names: list[str] | None = None):
+def stats_table(results: list[dict[str, Any]], names: list[str] | None = None) -> Table:
     """A rich Table: one column per result, rows = the figures (means over layers)."""
     from rich.table import Table
 

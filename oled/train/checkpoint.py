@@ -32,7 +32,9 @@ def checkpoint_tensors(
             yield d, w2[e].to(torch.bfloat16)
 
 
-def export(out: Path, model, experts, mcfg: ModelConfig, tok: Tokenizer) -> None:
+def export(
+    out: Path, model: LLaDA2Model, experts: TrainExperts, mcfg: ModelConfig, tok: Tokenizer
+) -> None:
     """`out`/checkpoint, written beside it first and then moved over the previous one."""
     target = out / "checkpoint"
     tmp = out / "checkpoint.tmp"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from oled.model.config import ModelConfig, mini_config
 
@@ -104,6 +105,6 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
     defaults = replace(TrainConfig(), preset=name, **PRESETS[name])
     ap = argparse.ArgumentParser(description=DESCRIPTION)
     for key, value in asdict(defaults).items():
-        kw = {"choices": sorted(PRESETS)} if key == "preset" else {}
+        kw: dict[str, Any] = {"choices": sorted(PRESETS)} if key == "preset" else {}
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value, **kw)
     return TrainConfig(**vars(ap.parse_args(argv)))

@@ -74,8 +74,13 @@ def _archive_files(path: Path) -> dict[str, bytes]:
     if path.suffix in (".whl", ".zip"):
         with zipfile.ZipFile(path) as z:
             return {n: z.read(n) for n in z.namelist() if not n.endswith("/")}
+    files = {}
     with tarfile.open(path) as t:
-        return {m.name: t.extractfile(m).read() for m in t.getmembers() if m.isfile()}
+        for m in t.getmembers():
+            f = t.extractfile(m) if m.isfile() else None
+            if f is not None:
+                files[m.name] = f.read()
+    return files
 
 
 def play_title(stem: str) -> str:
@@ -154,10 +159,12 @@ def _sources(plays: dict[str, str], verses: list[dict]) -> _Sources:
     return _Sources(verses, books, list(books), by_word, play_speeches, list(play_speeches))
 
 
-def chat_pairs(plays: dict[str, str], verses: list[dict], rng: random.Random, n: int):
+def chat_pairs(
+    plays: dict[str, str], verses: list[dict], rng: random.Random, n: int
+) -> list[tuple[str, str]]:
     """`n` (question, answer) pairs generated from the texts."""
     src = _sources(plays, verses)
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     while len(pairs) < n:
         kind = rng.randrange(10)
         pair = _bible_pair(kind, src, rng) if 1 <= kind <= 5 else _play_pair(kind, src, rng)
@@ -186,8 +193,8 @@ def _bible_pair(kind: int, src: _Sources, rng: random.Random) -> tuple[str, str]
         v = rng.choice(src.verses)
         return f"What does {v['citation']} say?", v["text"]
     i = rng.randrange(len(src.verses) - 2)
-    a, b = src.verses[i], src.verses[i + 1]
-    return f"Continue: {a['text']}", b["text"]
+    verse, after = src.verses[i], src.verses[i + 1]
+    return f"Continue: {verse['text']}", after["text"]
 
 
 def _play_pair(kind: int, src: _Sources, rng: random.Random) -> tuple[str, str] | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.types import Device
 
 from oled.model.tokenizer import ROLE_END, Tokenizer
 from oled.train.config import TrainConfig
@@ -18,14 +19,21 @@ class Batch:
     tokens: Tensor  # [B, L] clean ids
     maskable: Tensor  # [B, L] bool: positions the noise may mask (answers and plain text)
 
-    def to(self, device) -> Batch:
+    def to(self, device: Device) -> Batch:
         return Batch(self.tokens.to(device), self.maskable.to(device))
 
 
 class Data:
     """Plain-text windows and chat samples, both L = blocks * block_length tokens long."""
 
-    def __init__(self, cfg: TrainConfig, tok: Tokenizer, plays, verses, rng: random.Random):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        tok: Tokenizer,
+        plays: dict[str, str],
+        verses: list[dict],
+        rng: random.Random,
+    ) -> None:
         self.L = cfg.blocks * cfg.block_length
         self.cfg = cfg
         docs = plain_documents(plays, verses)
@@ -41,22 +49,25 @@ class Data:
         self.val_chat = tuple(t[:1000] for t in chat)
         self.train_chat = tuple(t[1000:] for t in chat)
 
-    def _chat_tensors(self, tok: Tokenizer, pairs) -> tuple[Tensor, Tensor]:
+    def _chat_tensors(self, tok: Tokenizer, pairs: list[tuple[str, str]]) -> tuple[Tensor, Tensor]:
         """Prompt then answer per row, EOS after; only the answer maskable. Prompts too long
         to leave room for an answer are dropped."""
+        role_end = tok.role_end_id
+        if role_end is None:
+            raise ValueError(f"chat samples need the tokenizer's {ROLE_END} token")
         prompts = [tok.render_chat([{"role": "user", "content": q}]) for q, _ in pairs]
         p_ids = tok.inner.encode_batch(prompts, add_special_tokens=False)
         a_ids = tok.inner.encode_batch([a + ROLE_END for _, a in pairs], add_special_tokens=False)
         toks = torch.full((len(pairs), self.L), tok.eos_id, dtype=torch.long)  # [N, L]
         maskable = torch.zeros((len(pairs), self.L), dtype=torch.bool)  # [N, L]
-        keep = []
-        for i, (p, a) in enumerate(zip(p_ids, a_ids, strict=True)):
-            p, a = p.ids, a.ids
+        keep: list[int] = []
+        for i, (p_enc, a_enc) in enumerate(zip(p_ids, a_ids, strict=True)):
+            p, a = p_enc.ids, a_enc.ids
             if len(p) > self.L - 8:
                 continue
             a = a[: self.L - len(p)]
-            if a[-1] != tok.role_end_id and len(a) < self.L - len(p):
-                a.append(tok.role_end_id)
+            if a[-1] != role_end and len(a) < self.L - len(p):
+                a.append(role_end)
             toks[i, : len(p)] = torch.tensor(p)
             toks[i, len(p) : len(p) + len(a)] = torch.tensor(a)
             maskable[i, len(p) :] = True

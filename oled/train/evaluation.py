@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import torch
+from torch.types import Device
 
+from oled.model.model import LLaDA2Model
 from oled.train.config import TrainConfig
 from oled.train.data import Data
+from oled.train.experts import TrainExperts
 from oled.train.objective import diffusion_loss
 
 
 @torch.no_grad()
-def evaluate(model, experts, data: Data, cfg: TrainConfig, mask_id: int, device, autocast) -> dict:
+def evaluate(
+    model: LLaDA2Model,
+    experts: TrainExperts,
+    data: Data,
+    cfg: TrainConfig,
+    mask_id: int,
+    device: Device,
+    autocast: torch.autocast,
+) -> dict[str, float]:
     """Validation loss on held-out text and chat samples with fixed noise (seeded).
 
     The expert load counted during the evaluation is dropped: it is the training step's."""

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.types import Device
 
 from oled.model.config import ModelConfig
 
@@ -29,7 +30,7 @@ class TrainExperts:
         self.w2 = [torch.randn(e, h, i, generator=gen) * out_std for _ in layers]
         self.load = torch.zeros(cfg.num_moe_layers, e)
 
-    def to(self, device) -> TrainExperts:
+    def to(self, device: Device) -> TrainExperts:
         self.w13 = [nn.Parameter(w.detach().to(device)) for w in self.w13]
         self.w2 = [nn.Parameter(w.detach().to(device)) for w in self.w2]
         self.load = self.load.to(device)

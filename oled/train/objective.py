@@ -17,13 +17,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.types import Device
 
 from oled.model.model import LLaDA2Model
 from oled.train.config import TrainConfig
 from oled.train.data import Batch
 
 
-def dual_mask(L: int, bl: int, device) -> Tensor:
+def dual_mask(L: int, bl: int, device: Device) -> Tensor:
     """[2L, 2L] bool over (noisy copy, clean copy): see the module docstring."""
     blk = torch.arange(L, device=device) // bl
     same = blk[:, None] == blk[None, :]
