@@ -183,10 +183,6 @@ KINDS = ("model", *POLICY_KINDS, "workload", "objective")
 REGISTRIES: dict[str, Registry[Any]] = {kind: Registry(kind) for kind in KINDS}
 
 _BUILTINS: dict[str, dict[str, str]] = {
-    "model": {
-        "tiny": "oled.model.presets:tiny_config",
-        "small": "oled.model.presets:small_config",
-    },
     "allocation": {
         "uniform": "oled.policies.allocation:UniformAllocation",
         "adaptive": "oled.policies.allocation:AdaptiveAllocation",
@@ -216,12 +212,17 @@ _BUILTINS: dict[str, dict[str, str]] = {
 for _kind, _entries in _BUILTINS.items():
     for _name, _target in _entries.items():
         REGISTRIES[_kind].register(_name, _target)
+# Kinds whose built-ins the defining module registers itself, imported on the first look-up:
+# the model shapes' one table (oled.model.config.SHAPES).
+_DEFINED_IN = {"model": "oled.model.config"}
 
 
 def registry(kind: str) -> Registry[Any]:
     """The registry of one component kind."""
     if kind not in REGISTRIES:
         raise UnknownComponentError(f"unknown component kind '{kind}'{suggest(kind, KINDS)}")
+    if kind in _DEFINED_IN:
+        importlib.import_module(_DEFINED_IN.pop(kind))
     return REGISTRIES[kind]
 
 

@@ -168,7 +168,7 @@ class GraphedForward(EagerForward):
     def __init__(self, model: LLaDA2Model, executor, *, max_keys: int = 256) -> None:
         super().__init__(model)
         self.executor = executor
-        self.whole = bool(getattr(executor, "graph_safe", False))
+        self.whole = executor.graph_safe
         self.graphs = Graphs()
         self.captured: OrderedDict[tuple, _Captured] = OrderedDict()
         self.max_keys = max_keys

@@ -49,6 +49,8 @@ from oled.policies.planner import HIT, STAGED, LayerPlan, Planner, Resize
 class OffloadEngine(DecodeObserver):
     """An expert executor over fixed per-layer slot tables, driven by a Planner."""
 
+    graph_safe = False  # it decides on the host between layers (ExpertExecutor)
+
     def __init__(
         self,
         *,

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
+else:  # Python 3.10
     import tomli as tomllib
 
 __all__ = ["dump_toml", "key_lines", "line_of_error", "tomllib"]

@@ -272,7 +272,7 @@ def simulate_recipe(trace, recipe, *, profile: str | None = None):
     count slots, sized for the traced model's shape; the recipe's stage capacity): (SimResult,
     Belady bound). A ValueError when the recipe's model (where it is on this machine) does
     not route like the trace."""
-    from oled.offload.budget import Budget, shape_slots
+    from oled.offload.budget import shape_slots
     from oled.policies import with_oled_defaults
     from oled.policies.base import CostModel
     from oled.recipe.load import routes_unlike
@@ -283,9 +283,7 @@ def simulate_recipe(trace, recipe, *, profile: str | None = None):
     if mismatch is not None:
         raise ValueError(f"simulation: {mismatch}")
     try:
-        slots = shape_slots(
-            Budget(*recipe.runtime.budget.choice()), meta.num_moe_layers, meta.num_experts
-        )
+        slots = shape_slots(recipe.runtime.budget, meta.num_moe_layers, meta.num_experts)
     except ValueError as exc:
         raise ValueError(f"simulation: {exc}") from None
     cost_name = profile or recipe.runtime.cost
