@@ -126,24 +126,19 @@ class Flags:
     use_cache: bool | None = _flag("decoding.use_cache", "--no-cache")
     max_tokens_flag: str = "--max-tokens"  # how the command spells --max-tokens
 
-    def given(self) -> dict[str, tuple[str, Any]]:
-        """`{recipe key: (flag, value)}` of the flags given."""
-        out = {}
+    def over(self, recipe: Recipe) -> Recipe:
+        """`recipe` with the flags given set, validated (`override`: errors name the flag)."""
+        values: dict[str, Any] = {}
+        origins: dict[str, str] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if "key" not in f.metadata or value is None:
-                continue
-            flag = self.max_tokens_flag if f.name == "max_tokens" else f.metadata["flag"]
-            out[f.metadata["key"]] = (flag, _budget(value) if f.name == "cache_size" else value)
-        return out
-
-    def over(self, recipe: Recipe) -> Recipe:
-        """`recipe` with these flags set, validated (Recipe.with_values)."""
-        given = self.given()
-        if not given:
-            return recipe
-        values = {key: value for key, (_, value) in given.items()}
-        return override(recipe, values, {key: flag for key, (flag, _) in given.items()})
+            if "key" in f.metadata and value is not None:
+                key = f.metadata["key"]
+                values[key] = _budget(value) if f.name == "cache_size" else value
+                origins[key] = (
+                    self.max_tokens_flag if f.name == "max_tokens" else f.metadata["flag"]
+                )
+        return override(recipe, values, origins) if values else recipe
 
 
 def _budget(slots_per_layer: int) -> dict[str, int]:
