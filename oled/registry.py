@@ -219,17 +219,11 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "compensation": ("oled.policies.compensation",),
     "workload": ("oled.experiment.workload",),
     "objective": ("oled.experiment.tune",),
+    "model": ("oled.model.config",),  # the built-in models' one table (SHAPES)
 }
 REGISTRIES: dict[str, Registry[Any]] = {
     kind: Registry(kind, _HOMES.get(kind, ())) for kind in KINDS
 }
-
-_BUILTIN_MODELS = {
-    "tiny": "oled.model.presets:tiny_config",
-    "small": "oled.model.presets:small_config",
-}
-for _name, _target in _BUILTIN_MODELS.items():
-    REGISTRIES["model"].register(_name, _target)
 
 
 def registry(kind: str) -> Registry[Any]:

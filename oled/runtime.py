@@ -1,19 +1,17 @@
 """A loaded model ready to decode: checkpoint + expert executor + decoder, on one device.
 
-`build(recipe)` is the one way from a spec to a runtime: every command turns its input into a
-recipe (oled.recipe.command_recipe: flags over the recipe over the schema's defaults) and builds
-it here; `build_runtime` is the same construction from keyword arguments, for library use, with
-the schema's defaults.
+`build(spec)` is the one way from a spec to a runtime. A spec is a `RuntimeSpec`: every command
+turns its input into a recipe (oled.recipe.command_recipe: flags over the recipe over the
+schema's defaults), whose spec is `RuntimeSpec.of(recipe)`; `build_runtime(...)` and
+`load_runtime(...)` make one from keyword arguments, for library use, with the schema's
+defaults.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
-from importlib import resources
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +23,20 @@ from oled.decoding.batch import BatchDecoder
 from oled.decoding.follow import Trajectory
 from oled.model.checkpoint import Checkpoint, load_checkpoint
 from oled.model.codec import check_codec
+from oled.model.config import ModelConfig, builtin_name
+from oled.model.config import shipped_default as shipped_default  # where tests and tools look
 from oled.model.experts import ResidentExperts
 from oled.model.graphs import EagerForward, GraphedForward
-from oled.model.presets import PRESETS, init_checkpoint
-from oled.offload.budget import KV_TOKENS, Budget
+from oled.model.model import ExpertExecutor
+from oled.model.presets import builtin_checkpoint
+from oled.offload.budget import KV_TOKENS, total_slots
 from oled.offload.encoded import LANDING_ROWS, EncodedCopies
 from oled.offload.engine import OffloadEngine
 from oled.offload.predict import NextLayerRouting
 from oled.paths import cache_home
 from oled.policies.base import AllocationPolicy, CompensationPolicy, CostModel, RetentionPolicy
 from oled.policies.planner import STAGE_ROUNDS, Planner
-from oled.recipe import DEFAULT_MODEL, Recipe
+from oled.recipe import DEFAULT_MODEL, Recipe, RuntimeSection
 from oled.recipe.schema import RUNTIME
 from oled.trace.replay import RoutingReplay, special_ids
 
@@ -47,7 +48,6 @@ DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
 }
-BUILTIN = "builtin:"
 RESIDENT_SUMMARY = {
     "resident": True,
     "hit_rate": 1.0,
@@ -63,38 +63,14 @@ RESIDENT_SUMMARY = {
 }
 
 
-def shipped_default() -> Path | None:
-    """The trained default model shipped with the package (oled/data/default), if present."""
-    path = Path(str(resources.files("oled").joinpath("data/default")))
-    return path if (path / "config.json").exists() else None
-
-
 def resolve_model(spec: str) -> Path:
-    """A checkpoint directory for a path or `builtin:NAME`.
+    """A checkpoint directory for a path or `builtin:NAME` (oled.model.config.BUILTIN_MODELS).
 
     `builtin:tiny` is the trained default model shipped in the package (docs/default-model.md);
     the other built-ins are random-initialised checkpoints made on first use (seed 0).
     """
-    if not spec.startswith(BUILTIN):
-        return Path(spec).expanduser()
-    name = spec[len(BUILTIN) :]
-    if name not in PRESETS or name == "mini-shape":
-        choices = [p for p in PRESETS if p != "mini-shape"]
-        raise ValueError(f"unknown built-in model {spec!r}; choose from builtin:{choices}")
-    if name == "tiny" and (shipped := shipped_default()) is not None:
-        return shipped
-    target = cache_home() / "models" / f"{name}-seed0"
-    if not (target / "config.json").exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-        try:
-            init_checkpoint(tmp, preset=name, seed=0)
-            if target.exists():
-                shutil.rmtree(target)
-            tmp.rename(target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    name = builtin_name(spec)
+    return Path(spec).expanduser() if name is None else builtin_checkpoint(name)
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -132,7 +108,7 @@ class Runtime:
         *,
         checkpoint: Checkpoint,
         device: torch.device,
-        executor,
+        executor: ExpertExecutor,
         decode: DecodeConfig,
         observers: Sequence[DecodeObserver] = (),
         graphs: bool = True,
@@ -160,10 +136,14 @@ class Runtime:
     def decisions(self) -> dict[str, Any] | None:
         """How the offload decisions are made, for reports (None when every expert is
         resident): the cost model's source and figures, and whether a policy adapts live."""
-        planner = getattr(self.executor, "planner", None)
-        if planner is None:
+        if self.engine is None:
             return None
-        return {"adaptive": planner.adaptive, "costs": self.costs}
+        return {"adaptive": self.engine.planner.adaptive, "costs": self.costs}
+
+    @property
+    def engine(self) -> OffloadEngine | None:
+        """The offload engine that executes the experts; None when every expert is resident."""
+        return self.executor if isinstance(self.executor, OffloadEngine) else None
 
     @property
     def tokenizer(self):
@@ -285,8 +265,7 @@ class Runtime:
 
     def offload_summary(self) -> dict | None:
         """The offload engine's figures for the last generation; None when all are resident."""
-        metrics = getattr(self.executor, "metrics", None)
-        return metrics.summary() if metrics is not None else None
+        return self.engine.metrics.summary() if self.engine is not None else None
 
     def stats(self) -> dict:
         """The last generation's decoding statistics and, when offloading, the engine's."""
@@ -329,8 +308,8 @@ class Runtime:
     def reference_ids(self, ids: Sequence[int], decode: DecodeConfig) -> Trajectory:
         """`reference` of prompt token ids."""
         trajectory = Trajectory(top_logits=REFERENCE_LOGITS)
-        planner = getattr(self.executor, "planner", None)
-        on_device = planner.all_on_device() if planner is not None else contextlib.nullcontext()
+        engine = self.engine
+        on_device = engine.planner.all_on_device() if engine else contextlib.nullcontext()
         with on_device:
             for _ in self.stream(ids, decode=decode, observers=[trajectory]):
                 pass
@@ -342,89 +321,81 @@ def check(recipe: Recipe) -> None:
     """Fail now, before any weight loads, on a spec that cannot run here: a device torch does
     not see, kernels that cannot run on it, a transfer its dtype cannot take, a model without
     a readable config."""
-    from oled.model.config import ModelConfig
-
     fused_kernels.check(recipe.runtime.kernels, pick_device(recipe.runtime.device))
     check_codec(recipe.runtime.transfer, pick_dtype(recipe.runtime.dtype))
     ModelConfig.from_json(resolve_model(recipe.model.path))
 
 
-def build(recipe: Recipe, *, progress: bool = False) -> Runtime:
-    """The runtime a recipe describes (policies are None when every expert is resident)."""
-    rt = recipe.runtime
-    resident = rt.budget.resident is True
-    policies = {} if resident else recipe.policy.build()
-    return build_runtime(
-        model=recipe.model.path,
-        device=rt.device,
-        dtype=rt.dtype,
-        budget=Budget(*rt.budget.choice()),
-        cost=rt.cost,
-        cpu_threads=rt.cpu_threads,
-        stage_capacity=rt.stage_capacity,
-        prefetch=rt.prefetch,
-        decode=recipe.decoding.config(),
-        progress=progress,
-        graphs=rt.cuda_graphs,
-        kernels=rt.kernels,
-        planner=rt.planner,
-        transfer=rt.transfer,
-        **policies,
-    )
+@dataclass(frozen=True, kw_only=True)
+class RuntimeSpec:
+    """Everything a runtime is built from, typed: a recipe's model, its validated `[runtime]`
+    section (device, precision, the budget, how experts move; each range checked where the
+    schema declares it) and decoding, the policy objects (None: OLED's own), and what only a
+    library caller gives: a cost model object instead of `runtime.cost`'s, `driver`
+    (OffloadEngine's), the KV tokens the memory budget reserves."""
+
+    model: str = DEFAULT_MODEL
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    allocation: AllocationPolicy | None = None
+    retention: RetentionPolicy | None = None
+    compensation: CompensationPolicy | None = None
+    cost: CostModel | None = None
+    driver: bool | None = None
+    kv_tokens: int = KV_TOKENS
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> RuntimeSpec:
+        """A recipe's spec (its policies built; none when every expert is resident)."""
+        resident = recipe.runtime.budget.kind == "resident"
+        policies = {} if resident else recipe.policy.build()
+        return cls(
+            model=recipe.model.path,
+            runtime=recipe.runtime,
+            decode=recipe.decoding.config(),
+            **policies,
+        )
+
+    @property
+    def cost_model(self) -> CostModel | str:
+        """The cost model given, else the name `runtime.cost` gives (resolve_cost)."""
+        return self.cost if self.cost is not None else self.runtime.cost
 
 
-def build_runtime(
-    *,
-    model: str = DEFAULT_MODEL,
-    device: str = RUNTIME.device,
-    dtype: str = RUNTIME.dtype,
-    budget: Budget | None = None,
-    allocation: AllocationPolicy | None = None,
-    retention: RetentionPolicy | None = None,
-    compensation: CompensationPolicy | None = None,
-    cost: CostModel | str = RUNTIME.cost,
-    cpu_threads: int | None = RUNTIME.cpu_threads,
-    stage_capacity: int = RUNTIME.stage_capacity,
-    prefetch: int = RUNTIME.prefetch,
-    kv_tokens: int = KV_TOKENS,
-    decode: DecodeConfig | None = None,
-    progress: bool = False,
-    graphs: bool = RUNTIME.cuda_graphs,
-    kernels: str = RUNTIME.kernels,
-    planner: str = RUNTIME.planner,
-    driver: bool | None = None,
-    transfer: str = RUNTIME.transfer,
-) -> Runtime:
-    """Load a model under a GPU budget with the given policies (missing ones get OLED's).
+def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
+    """The runtime a spec (or a recipe's, RuntimeSpec.of) describes: the one construction.
 
     The budget is checked against the config before any weight is read, so a budget that is too
     small fails at once with the minimum it needs. On CUDA, forwards replay as CUDA graphs
-    unless `graphs` is False (the same tokens either way), and the hot stages run as fused
-    Triton kernels unless `kernels` is "torch" (oled.kernels). `prefetch` > 0 copies up to
-    that many experts per MoE layer a layer ahead, from the next layer's predicted routing
-    (oled.offload.predict). `planner` "auto" plans compiled where it can (oled.policies.native),
-    "compiled" insists on it, "python" keeps the Python planner: the same decisions either way.
-    `driver` launches graphed layer calls from C where possible (None), insists (True) or never
-    does (False; oled.offload.driver): the same tokens either way. `transfer` says how misses
-    cross the link (oled.model.codec): "plain" bf16 rows, "lossless" encoded rows (the same
-    tokens, fewer bytes), "fp8" or "int4" (lossy: about a half or a quarter of the bytes, other
-    tokens).
+    unless `runtime.cuda_graphs` is False (the same tokens either way), and the hot stages run
+    as fused Triton kernels unless `runtime.kernels` is "torch" (oled.kernels).
+    `runtime.prefetch` > 0 copies up to that many experts per MoE layer a layer ahead, from the
+    next layer's predicted routing (oled.offload.predict). `runtime.planner` "auto" plans
+    compiled where it can (oled.policies.native), "compiled" insists on it, "python" keeps the
+    Python planner: the same decisions either way. `driver` launches graphed layer calls from C
+    where possible (None), insists (True) or never does (False; oled.offload.driver): the same
+    tokens either way. `runtime.transfer` says how misses cross the link (oled.model.codec):
+    "plain" bf16 rows, "lossless" encoded rows (the same tokens, fewer bytes), "fp8" or "int4"
+    (lossy: about a half or a quarter of the bytes, other tokens).
     """
-    from oled.model.config import ModelConfig
-    from oled.offload.budget import total_slots
-
-    if cpu_threads:
-        torch.set_num_threads(cpu_threads)
-    dev, torch_dtype = pick_device(device), pick_dtype(dtype)
-    check_codec(transfer, torch_dtype)
-    fused_kernels.check(kernels, dev)
-    fused_kernels.use(kernels)  # the cost calibration below already times these kernels
-    path = resolve_model(model)
+    spec = spec if isinstance(spec, RuntimeSpec) else RuntimeSpec.of(spec)
+    rt = spec.runtime
+    if rt.cpu_threads:
+        torch.set_num_threads(rt.cpu_threads)
+    dev, torch_dtype = pick_device(rt.device), pick_dtype(rt.dtype)
+    check_codec(rt.transfer, torch_dtype)
+    fused_kernels.check(rt.kernels, dev)
+    fused_kernels.use(rt.kernels)  # the cost calibration below already times these kernels
+    path = resolve_model(spec.model)
     cfg = ModelConfig.from_json(path)
-    budget = budget or Budget()
-    scratch = STAGE_ROUNDS * stage_capacity + (LANDING_ROWS if transfer != "plain" else 0)
+    scratch = STAGE_ROUNDS * rt.stage_capacity + (LANDING_ROWS if rt.transfer != "plain" else 0)
     slots = total_slots(
-        budget, cfg, dtype=torch_dtype, device=dev, kv_tokens=kv_tokens, scratch_experts=scratch
+        rt.budget,
+        cfg,
+        dtype=torch_dtype,
+        device=dev,
+        kv_tokens=spec.kv_tokens,
+        scratch_experts=scratch,
     )
     ckpt = load_checkpoint(
         path,
@@ -433,47 +404,68 @@ def build_runtime(
         progress=progress,
         pin_experts=dev.type == "cuda" and slots is not None,  # pinned only if they stay on host
     )
-    decode = decode or DecodeConfig()
+    settings = {"decode": spec.decode, "graphs": rt.cuda_graphs, "kernels": rt.kernels}
     if slots is None:
         executor = ResidentExperts(ckpt.experts, dev)
-        return Runtime(
-            checkpoint=ckpt,
-            device=dev,
-            executor=executor,
-            decode=decode,
-            graphs=graphs,
-            kernels=kernels,
-        )
-    encoded = None if transfer == "plain" else EncodedCopies(ckpt.experts, transfer, dev, progress)
-    cost, costs = decision_cost(cost, ckpt, dev, encoded)
-    engine = make_engine(
+        return Runtime(checkpoint=ckpt, device=dev, executor=executor, **settings)
+    encoded = None
+    if rt.transfer != "plain":
+        encoded = EncodedCopies(ckpt.experts, rt.transfer, dev, progress)
+    cost, costs = decision_cost(spec.cost_model, ckpt, dev, encoded)
+    planner = make_planner(
         ckpt,
         dev,
-        make_planner(
-            ckpt,
-            dev,
-            slots,
-            stage_capacity,
-            allocation,
-            retention,
-            compensation,
-            cost,
-            prefetch,
-            planner,
-        ),
-        driver,
-        encoded,
+        slots,
+        stage_capacity=rt.stage_capacity,
+        allocation=spec.allocation,
+        retention=spec.retention,
+        compensation=spec.compensation,
+        cost=cost,
+        prefetch=rt.prefetch,
+        planner=rt.planner,
     )
+    engine = make_engine(ckpt, dev, planner, driver=spec.driver, encoded=encoded)
     return Runtime(
-        checkpoint=ckpt,
-        device=dev,
-        executor=engine,
-        decode=decode,
-        observers=[engine],
-        graphs=graphs,
-        kernels=kernels,
-        costs=costs,
+        checkpoint=ckpt, device=dev, executor=engine, observers=[engine], costs=costs, **settings
     )
+
+
+def build_runtime(
+    *,
+    model: str = DEFAULT_MODEL,
+    decode: DecodeConfig | None = None,
+    progress: bool = False,
+    graphs: bool | None = None,
+    cost: CostModel | str | None = None,
+    allocation: AllocationPolicy | None = None,
+    retention: RetentionPolicy | None = None,
+    compensation: CompensationPolicy | None = None,
+    driver: bool | None = None,
+    kv_tokens: int = KV_TOKENS,
+    **runtime: Any,
+) -> Runtime:
+    """`build` from keyword arguments, for library use: `runtime` holds keys of a recipe's
+    `[runtime]` section (device, dtype, budget: an oled.offload.budget.Budget, stage_capacity,
+    prefetch, cpu_threads, kernels, planner, transfer), validated by it, with its defaults
+    for those left out or None; `graphs` is `cuda_graphs`; `cost` a profile name, "calibrate"
+    or a CostModel; missing policies get OLED's (RuntimeSpec)."""
+    if graphs is not None:
+        runtime["cuda_graphs"] = graphs
+    if isinstance(cost, str):
+        runtime["cost"] = cost
+    section = RuntimeSection(**{k: v for k, v in runtime.items() if v is not None})
+    spec = RuntimeSpec(
+        model=model,
+        runtime=section,
+        decode=decode or DecodeConfig(),
+        allocation=allocation,
+        retention=retention,
+        compensation=compensation,
+        cost=cost if isinstance(cost, CostModel) else None,
+        driver=driver,
+        kv_tokens=kv_tokens,
+    )
+    return build(spec, progress=progress)
 
 
 def decision_cost(
@@ -493,6 +485,7 @@ def make_engine(
     ckpt: Checkpoint,
     dev: torch.device,
     planner: Planner,
+    *,
     driver: bool | None = None,
     encoded: EncodedCopies | None = None,
 ) -> OffloadEngine:
@@ -515,22 +508,21 @@ PLANNER_MODES = {"auto": None, "compiled": True, "python": False}
 
 def make_planner(
     ckpt: Checkpoint,
-    dev,
-    slots,
-    stage_capacity,
-    allocation,
-    retention,
-    compensation,
-    cost,
-    prefetch: int = 0,
-    planner: str = "auto",
+    dev: torch.device,
+    slots: int,
+    *,
+    stage_capacity: int = RUNTIME.stage_capacity,
+    allocation: AllocationPolicy | None = None,
+    retention: RetentionPolicy | None = None,
+    compensation: CompensationPolicy | None = None,
+    cost: CostModel | str = RUNTIME.cost,
+    prefetch: int = RUNTIME.prefetch,
+    planner: str = RUNTIME.planner,
 ) -> Planner:
-    """A planner with the given policies; OLED's own where one is not given; compiled or in
-    Python as `planner` says ("auto", "compiled", "python")."""
+    """A planner of `slots` expert slots with the given policies; OLED's own where one is not
+    given; compiled or in Python as `planner` says ("auto", "compiled", "python")."""
     if planner not in PLANNER_MODES:
         raise ValueError(f"unknown planner {planner!r}: choose from {', '.join(PLANNER_MODES)}")
-
-    cost = resolve_cost(cost, ckpt, dev)[0]
     cfg = ckpt.config
     return Planner.for_model(
         cfg.num_moe_layers,
@@ -538,7 +530,7 @@ def make_planner(
         cfg.num_experts_per_tok,
         slots,
         stage_capacity=stage_capacity,
-        cost=cost,
+        cost=resolve_cost(cost, ckpt, dev)[0],
         allocation=allocation,
         retention=retention,
         compensation=compensation,

@@ -360,15 +360,15 @@ def offloaded_row(
         ckpt,
         dev,
         slots,
-        8,
-        p["allocation"],
-        p["retention"],
-        p["compensation"],
-        cost,
-        c.prefetch,
-        c.planner,
+        stage_capacity=8,
+        allocation=p["allocation"],
+        retention=p["retention"],
+        compensation=p["compensation"],
+        cost=cost,
+        prefetch=c.prefetch,
+        planner=c.planner,
     )
-    engine = make_engine(ckpt, dev, planner, c.driver, transfer)
+    engine = make_engine(ckpt, dev, planner, driver=c.driver, encoded=transfer)
     recorded = bool(c.prefetch) and oracle is not None
     observers = [engine]
     if recorded:

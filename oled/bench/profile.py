@@ -14,7 +14,7 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from oled.bench.runs import run_once, run_replay
 from oled.decoding import DecodeConfig, DecodeObserver, IterationInfo, Trajectory
-from oled.decoding.replay import RoutingTrace
+from oled.trace.replay import RoutingTrace
 from oled.model.stages import STAGES, annotate
 from oled.runtime import Runtime
 

@@ -9,7 +9,7 @@ import torch
 
 from oled.decoding import DecodeConfig, DecodeObserver, GenerationStats
 from oled.decoding.follow import Trajectory
-from oled.decoding.replay import RoutingTrace
+from oled.trace.replay import RoutingTrace
 from oled.runtime import Runtime
 
 Generation = tuple[GenerationStats, dict | None, list[int]]  # stats, offload figures, tokens

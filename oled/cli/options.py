@@ -7,13 +7,17 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from oled.recipe.schema import DECODING, DEFAULT_MODEL, RUNTIME
+
+if TYPE_CHECKING:
+    from oled.recipe import Recipe
+    from oled.runtime import Runtime
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -118,57 +122,19 @@ TransferOpt = Annotated[
 ]
 
 
-def runtime_flags(
-    *,
-    device: str | None = None,
-    dtype: str | None = None,
-    cache_size: int | None = None,
-    graphs: bool | None = None,
-    kernels: str | None = None,
-    block_length: int | None = None,
-    threshold: float | None = None,
-    steps: int | None = None,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    seed: int | None = None,
-    use_cache: bool | None = None,
-    max_batch: int | None = None,
-    transfer: str | None = None,
-    max_tokens_flag: str = "--max-tokens",
-) -> dict[str, tuple[str, Any]]:
-    """The runtime and decoding flags as recipe keys: `{dotted key: (flag, value or None)}`
-    for oled.recipe.command_recipe (a flag left out is None and keeps the recipe's value)."""
-    budget = None if cache_size is None else {"slots_per_layer": cache_size}
-    return {
-        "runtime.device": ("--device", device),
-        "runtime.dtype": ("--dtype", dtype),
-        "runtime.budget": ("--cache-size", budget),
-        "runtime.cuda_graphs": ("--graphs/--eager", graphs),
-        "runtime.kernels": ("--kernels", kernels),
-        "decoding.block_length": ("--block-length", block_length),
-        "decoding.threshold": ("--threshold", threshold),
-        "decoding.steps": ("--steps", steps),
-        "decoding.max_new_tokens": (max_tokens_flag, max_tokens),
-        "decoding.temperature": ("--temperature", temperature),
-        "decoding.seed": ("--seed", seed),
-        "decoding.use_cache": ("--no-cache", use_cache),
-        "runtime.max_batch": ("--max-batch", max_batch),
-        "runtime.transfer": ("--transfer", transfer),
-    }
-
-
-def command_spec(recipe: Path | None, model: str | None, **flags: Any) -> Any:
-    """The recipe a command builds its runtime from (oled.recipe.command_recipe): the flags
-    given (runtime_flags' names) over `recipe` over the schema's defaults; checked now."""
-    from oled.recipe import command_recipe
+def command_spec(recipe: Path | None, model: str | None, **flags: Any) -> Recipe:
+    """The recipe a command builds its runtime from: its flags (oled.recipe.Flags' fields; a
+    flag left out is None) over `recipe` over the schema's defaults (command_recipe), checked
+    now against this machine (oled.runtime.check)."""
+    from oled.recipe import Flags, command_recipe
     from oled.runtime import check
 
-    spec = command_recipe(recipe, model, runtime_flags(**flags))
+    spec = command_recipe(recipe, Flags(model=model, **flags))
     check(spec)
     return spec
 
 
-def load(spec: Any, *, progress: bool = False) -> Any:
+def load(spec: Recipe, *, progress: bool = False) -> Runtime:
     """The runtime of a command's spec (oled.runtime.build); says what loaded, where, how fast."""
     import time
 

@@ -232,19 +232,17 @@ def report_dir(recipe: Recipe) -> Path:
 
 def planner_kind(runtime: Any) -> str | None:
     """How the runtime's host decisions run: "compiled", "python", or None (no planner)."""
-    planner = getattr(getattr(runtime, "executor", None), "planner", None)
-    if planner is None:
+    if runtime.engine is None:
         return None
-    return "compiled" if planner.compiled else "python"
+    return "compiled" if runtime.engine.planner.compiled else "python"
 
 
 def launch_kind(runtime: Any) -> str | None:
     """How the runtime's graphed layer calls launch: "compiled" (oled.offload.driver),
     "python", or None (no offload engine)."""
-    executor = getattr(runtime, "executor", None)
-    if getattr(executor, "planner", None) is None:
+    if runtime.engine is None:
         return None
-    return "compiled" if getattr(executor, "driver", None) is not None else "python"
+    return "compiled" if runtime.engine.driver is not None else "python"
 
 
 def run_experiment(

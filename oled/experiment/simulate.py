@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from oled.offload.budget import Budget, shape_slots
+from oled.offload.budget import shape_slots
 from oled.policies import with_oled_defaults
 from oled.policies.base import CostModel
 from oled.recipe import Recipe
@@ -24,9 +24,7 @@ def simulate_recipe(
     if mismatch is not None:
         raise ValueError(f"simulation: {mismatch}")
     try:
-        slots = shape_slots(
-            Budget(*recipe.runtime.budget.choice()), meta.num_moe_layers, meta.num_experts
-        )
+        slots = shape_slots(recipe.runtime.budget, meta.num_moe_layers, meta.num_experts)
     except ValueError as exc:
         raise ValueError(f"simulation: {exc}") from None
     cost_name = profile or recipe.runtime.cost

@@ -1,21 +1,31 @@
-"""The LLaDA2 MoE model: config, layers, checkpoints, tokenizer and presets."""
+"""The LLaDA2 MoE model: config, layers, checkpoints, tokenizer and presets.
 
-from oled.model.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
-from oled.model.config import ConfigError, ModelConfig
-from oled.model.experts import ExpertStore, ResidentExperts
-from oled.model.model import LLaDA2Model
-from oled.model.tokenizer import Tokenizer, TokenizerError
+The names below load on first use, so that `oled.model.config` (the config and the named
+shapes, which recipes check) imports without torch.
+"""
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointError",
-    "ConfigError",
-    "ExpertStore",
-    "LLaDA2Model",
-    "ModelConfig",
-    "ResidentExperts",
-    "Tokenizer",
-    "TokenizerError",
-    "load_checkpoint",
-    "save_checkpoint",
-]
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_HOMES = {
+    "Checkpoint": "checkpoint",
+    "CheckpointError": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "ConfigError": "config",
+    "ModelConfig": "config",
+    "ExpertStore": "experts",
+    "ResidentExperts": "experts",
+    "LLaDA2Model": "model",
+    "Tokenizer": "tokenizer",
+    "TokenizerError": "tokenizer",
+}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"oled.model.{_HOMES[name]}"), name)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from oled.registry import register, suggest
 
 ARCHITECTURES = ("LLaDA2MoeModelLM", "BailingMoeV2ForCausalLM")
 
@@ -199,6 +203,14 @@ class ModelConfig:
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
+    @classmethod
+    def from_name(cls, name: str) -> ModelConfig:
+        """The named shape of `SHAPES` (a preset of `oled model init --preset`)."""
+        if name not in SHAPES:
+            hint = suggest(name, SHAPES)
+            raise ValueError(f"unknown preset {name!r}{hint}; choose from {', '.join(SHAPES)}")
+        return SHAPES[name]()
+
 
 def mini_config() -> ModelConfig:
     """LLaDA2.0-mini's configuration, as in its config.json."""
@@ -224,3 +236,86 @@ def mini_config() -> ModelConfig:
         pad_token_id=156892,
         eos_token_id=156892,
     )
+
+
+def tiny_config() -> ModelConfig:
+    """Decodes quickly on 2 CPU cores: 4 layers (1 dense), hidden 128, 32 experts, top-4."""
+    return replace(
+        mini_config(),
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=64,
+        n_group=4,
+        topk_group=2,
+        max_position_embeddings=4096,
+        pad_token_id=1024 - 292,
+        eos_token_id=1024 - 292,
+    )
+
+
+def small_config() -> ModelConfig:
+    """A step up for CPU policy studies: 8 layers, hidden 256, 64 experts, top-6."""
+    return replace(
+        tiny_config(),
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        head_dim=32,
+        num_experts=64,
+        num_experts_per_tok=6,
+        moe_intermediate_size=128,
+        n_group=8,
+        topk_group=4,
+        pad_token_id=4096 - 292,
+        eos_token_id=4096 - 292,
+    )
+
+
+# The one table of named model shapes: the presets of `oled model init --preset`; the ones in
+# BUILTIN_MODELS are also checkpoints a recipe names as `builtin:NAME` (made on first use; the
+# real model's shape is too large for that).
+SHAPES: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny_config,
+    "small": small_config,
+    "mini-shape": mini_config,
+}
+BUILTIN = "builtin:"
+BUILTIN_MODELS = ("tiny", "small")
+SHIPPED = "tiny"  # the built-in whose trained weights ship in the package (oled/data/default)
+for _name in BUILTIN_MODELS:
+    register("model", _name, SHAPES[_name])
+
+
+def shipped_default() -> Path | None:
+    """The trained default model shipped with the package (oled/data/default), if present."""
+    path = Path(str(resources.files("oled").joinpath("data/default")))
+    return path if (path / "config.json").exists() else None
+
+
+def builtin_name(model: str) -> str | None:
+    """The built-in's name of a model given as `builtin:NAME` (None for a directory);
+    ValueError unless it names one of BUILTIN_MODELS."""
+    if not model.startswith(BUILTIN):
+        return None
+    name = model.removeprefix(BUILTIN)
+    if name not in BUILTIN_MODELS:
+        raise ValueError(
+            f"unknown built-in model {model!r}; choose from {BUILTIN}{list(BUILTIN_MODELS)}"
+        )
+    return name
+
+
+def builtin_config(name: str) -> ModelConfig:
+    """A built-in's config without making its checkpoint: the shipped default's, else its
+    shape's (the random checkpoint made on first use has that shape)."""
+    shipped = shipped_default() if name == SHIPPED else None
+    return ModelConfig.from_json(shipped) if shipped else ModelConfig.from_name(name)

@@ -183,7 +183,7 @@ class GraphedForward(EagerForward):
         self, model: LLaDA2Model, executor: ExpertExecutor, *, max_keys: int = 256
     ) -> None:
         super().__init__(model)
-        self.whole = bool(getattr(executor, "graph_safe", False))
+        self.whole = executor.graph_safe
         # asked for pieces only when not graph-safe, which then makes it a PiecewiseExecutor
         self.executor = cast(PiecewiseExecutor, executor)
         self.graphs = Graphs()

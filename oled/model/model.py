@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +16,11 @@ from oled.model.stages import stage
 
 
 class ExpertExecutor(Protocol):
-    """Computes the routed-expert part of one MoE layer: sum_k w_k * expert_k(x), cast to x."""
+    """Computes the routed-expert part of one MoE layer: sum_k w_k * expert_k(x), cast to x.
+    `graph_safe`: it makes no host decision, so a whole forward can be one CUDA graph
+    (oled.model.graphs); an executor that decides on the host between layers is not."""
+
+    graph_safe: bool
 
     def __call__(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor: ...
 
@@ -146,8 +150,13 @@ class BatchRows:
         ends = [s + n for s, n in zip(starts, lengths, strict=True)]
         if keys < max(ends):
             raise ValueError(f"{keys} keys do not cover the batch's sequences (up to {max(ends)})")
-        flat = [[], [], [], []]  # per row: position, slot, index in the padded block; logit rows
-        pads = [[], []]  # per padded query: its row, its position
+        flat: list[list[int]] = [
+            [],
+            [],
+            [],
+            [],
+        ]  # per row: position, slot, index in the padded block; logit rows
+        pads: list[list[int]] = [[], []]  # per padded query: its row, its position
         row = 0
         for b, (slot, start, n, skip) in enumerate(
             zip(slots, starts, lengths, logits_from, strict=True)
@@ -254,7 +263,7 @@ class DecoderLayer(nn.Module):
         self.attention = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         dense = index < cfg.first_k_dense_replace
-        self.mlp = (
+        self.mlp: MLP | MoE = (
             MLP(cfg.hidden_size, cfg.intermediate_size)
             if dense
             else MoE(cfg, index - cfg.first_k_dense_replace)
@@ -275,6 +284,10 @@ class Backbone(nn.Module):
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`layers`, typed: the ModuleList holds only DecoderLayers."""
+        return cast("Sequence[DecoderLayer]", self.layers)
 
 
 class LLaDA2Model(nn.Module):
@@ -301,13 +314,12 @@ class LLaDA2Model(nn.Module):
     @property
     def moe_blocks(self) -> list[MoE]:
         """The MoE layers' blocks, by MoE layer index."""
-        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+        return [layer.mlp for layer in self.model.decoder_layers() if isinstance(layer.mlp, MoE)]
 
     def execute(self, request: MoERequest) -> Tensor:
         """Answer a forward's MoE request through its layer's hooks and executor: [T, H]."""
-        return self.model.layers[self.config.first_k_dense_replace + request.layer].mlp.execute(
-            request
-        )
+        layer = self.model.decoder_layers()[self.config.first_k_dense_replace + request.layer]
+        return cast(MoE, layer.mlp).execute(request)
 
     def set_executor(self, executor: ExpertExecutor) -> None:
         for block in self.moe_blocks:
@@ -371,6 +383,7 @@ class LLaDA2Model(nn.Module):
             raise ValueError(f"cache holds {cache.length} tokens but start is {start}")
         elif cache is None and start != 0:
             raise ValueError("without a cache the tokens must start at position 0")
+        mask: Tensor | list[Tensor | None] | None
         with stage("embedding"):
             if rows is None:
                 positions = torch.arange(start, start + t, device=tokens.device)  # [T]
@@ -388,7 +401,7 @@ class LLaDA2Model(nn.Module):
                 )  # [B, 1, t_max, S], or per sequence [n, start + n] | None
             x = self.model.word_embeddings(tokens)  # [B, T, H]
             cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.decoder_layers()):
             kv = cache.layer(i) if cache is not None else None
             with stage("attention"):
                 x = layer.attend(x, self.rotary, cos, sin, kv, past, mask)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
-from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -11,63 +12,39 @@ import torch
 from torch import Tensor
 
 from oled.model.checkpoint import expected_shapes, save_checkpoint
-from oled.model.config import ModelConfig, mini_config
+from oled.model.config import SHAPES, SHIPPED, ModelConfig, shipped_default
+from oled.model.config import small_config as small_config  # re-exported: the shapes' home
+from oled.model.config import tiny_config as tiny_config
 from oled.model.tokenizer import Tokenizer, special_ids, train_byte_bpe
+from oled.paths import cache_home
 
-
-def tiny_config() -> ModelConfig:
-    """Decodes quickly on 2 CPU cores: 4 layers (1 dense), hidden 128, 32 experts, top-4."""
-    return replace(
-        mini_config(),
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=32,
-        num_experts_per_tok=4,
-        moe_intermediate_size=64,
-        n_group=4,
-        topk_group=2,
-        max_position_embeddings=4096,
-        pad_token_id=1024 - 292,
-        eos_token_id=1024 - 292,
-    )
-
-
-def small_config() -> ModelConfig:
-    """A step up for CPU policy studies: 8 layers, hidden 256, 64 experts, top-6."""
-    return replace(
-        tiny_config(),
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        head_dim=32,
-        num_experts=64,
-        num_experts_per_tok=6,
-        moe_intermediate_size=128,
-        n_group=8,
-        topk_group=4,
-        pad_token_id=4096 - 292,
-        eos_token_id=4096 - 292,
-    )
-
-
-PRESETS = {"tiny": tiny_config, "small": small_config, "mini-shape": mini_config}
-BPE_SIZE = {"tiny": 700, "small": 3000, "mini-shape": 8000}
+PRESETS = SHAPES  # the presets of `oled model init --preset`: the named shapes
+BPE_SIZE = {"tiny": 700, "small": 3000, "mini-shape": 8000}  # each preset's tokenizer vocabulary
 
 
 def preset_config(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        from oled.registry import suggest
+    """The config of preset `name` (ModelConfig.from_name)."""
+    return ModelConfig.from_name(name)
 
-        hint = suggest(name, PRESETS)
-        raise ValueError(f"unknown preset {name!r}{hint}; choose from {', '.join(PRESETS)}")
-    return PRESETS[name]()
+
+def builtin_checkpoint(name: str) -> Path:
+    """The checkpoint directory of built-in `name` (oled.model.config.BUILTIN_MODELS): the
+    shipped default for the trained one, else a random-initialised checkpoint (seed 0) made
+    under cache_home()/models on first use."""
+    if name == SHIPPED and (shipped := shipped_default()) is not None:
+        return shipped
+    target = cache_home() / "models" / f"{name}-seed0"
+    if not (target / "config.json").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+        try:
+            init_checkpoint(tmp, preset=name, seed=0)
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def corpus() -> list[str]:

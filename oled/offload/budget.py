@@ -1,42 +1,90 @@
-"""The GPU budget: how many expert slots the device holds, decided before any weight is loaded."""
+"""The GPU budget: how many expert slots the device holds, decided before any weight is loaded.
+
+`Budget` is declared here once, with its ranges: a recipe's `runtime.budget` is this object, and
+it reaches `total_slots` as it is.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from oled.model.config import ModelConfig
 
-BudgetKind = Literal[
-    "resident", "expert_fraction", "expert_budget", "slots_per_layer", "gpu_memory", "auto"
-]
+if TYPE_CHECKING:
+    import torch
+
 SLOT_KINDS = ("expert_fraction", "expert_budget", "slots_per_layer")  # counts, not memory
 KV_TOKENS = 4096  # prefix KV the memory budget reserves room for
 ACTIVATION_RESERVE = 512 << 20  # logits of a block, routing buffers, allocator slack
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$")
+_UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
-@dataclass(frozen=True)
-class Budget:
-    """One of: every expert resident; a fraction of all experts; a number of expert slots (all
-    MoE layers together); slots per MoE layer; a whole-device memory budget in bytes; or `auto`
-    (the free memory)."""
+def parse_size(text: str) -> int:
+    """Bytes in a size such as `"24GiB"` or `"500 MB"`."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (e.g. '24GiB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
-    kind: BudgetKind = "resident"
-    value: float | None = None
 
-    def __post_init__(self) -> None:
-        if self.kind not in get_args(BudgetKind):
-            raise ValueError(f"unknown budget {self.kind!r}; choose from {get_args(BudgetKind)}")
-        if self.kind == "expert_fraction" and not (self.value and 0 < self.value <= 1):
-            raise ValueError(f"expert_fraction must be in (0, 1], got {self.value}")
-        if self.kind in ("expert_budget", "slots_per_layer", "gpu_memory") and not (
-            self.value and self.value > 0
-        ):
-            raise ValueError(f"{self.kind} must be positive, got {self.value}")
+class Budget(BaseModel):
+    """How much GPU memory experts may use, exactly one of: every expert resident; a fraction
+    of all experts; a number of expert slots (all MoE layers together); slots per MoE layer; a
+    whole-device memory budget (a size such as "24GiB", or bytes); or `auto` (the free
+    memory). A recipe's `runtime.budget` table is this object; each range is declared here,
+    once. `Budget("expert_fraction", 0.25)` is `Budget(expert_fraction=0.25)`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    expert_fraction: float | None = Field(default=None, gt=0, le=1)
+    expert_budget: int | None = Field(default=None, ge=1)  # slots of all MoE layers together
+    slots_per_layer: int | None = Field(default=None, ge=1)
+    gpu_memory: str | float | None = None  # a size ("24GiB") or bytes
+    auto: Literal[True] | None = None
+    resident: Literal[True] | None = None
+
+    def __init__(self, kind: str | None = None, value: Any = None, /, **fields: Any) -> None:
+        if kind is not None:
+            fields[kind] = True if value is None else value
+        super().__init__(**fields)
+
+    @field_validator("gpu_memory")
+    @classmethod
+    def _size(cls, value: str | float | None) -> str | float | None:
+        size = parse_size(value) if isinstance(value, str) else value
+        if size is not None and size <= 0:
+            raise ValueError(f"must be positive (got {value!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Budget:
+        chosen = [k for k, v in self.model_dump().items() if v is not None]
+        if len(chosen) != 1:
+            names = ", ".join(type(self).model_fields)
+            raise ValueError(f"set exactly one of {names} (got {len(chosen)})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set."""
+        ((kind, _),) = self.model_dump(exclude_none=True).items()
+        return kind
+
+    @property
+    def value(self) -> float:
+        """The set field's value: bytes for `gpu_memory`; 0 for `auto` and `resident`."""
+        value = getattr(self, self.kind)
+        if isinstance(value, str):
+            return parse_size(value)
+        return 0 if value is True else value
 
 
 def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -46,7 +94,7 @@ def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     attn += cfg.num_attention_heads * cfg.head_dim * h + 2 * cfg.head_dim + 2 * h
     dense = 3 * h * cfg.intermediate_size
     shared = 3 * h * cfg.shared_intermediate_size
-    size = torch.finfo(dtype).bits // 8
+    size = dtype.itemsize
     total = (2 * v * h + h) * size + cfg.num_hidden_layers * attn * size
     total += cfg.first_k_dense_replace * dense * size
     total += cfg.num_moe_layers * (shared * size + (h + 1) * cfg.num_experts * 4)
@@ -54,12 +102,12 @@ def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def kv_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
-    size = torch.finfo(dtype).bits // 8
+    size = dtype.itemsize
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * tokens * size
 
 
 def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return cfg.expert_params() * (torch.finfo(dtype).bits // 8)
+    return cfg.expert_params() * dtype.itemsize
 
 
 def gib(n: float) -> str:
@@ -89,16 +137,18 @@ def total_slots(
     else:
         memory = budget.value if budget.kind == "gpu_memory" else free_memory(device)
         slots = _slots_in_memory(int(memory), cfg, dtype, kv_tokens, scratch_experts)
-    if slots >= layers * experts:
-        return None
-    if slots < layers:
-        raise ValueError(_too_small(budget, cfg, dtype, kv_tokens, scratch_experts, slots))
-    return slots
+    fitted = fit_slots(
+        slots,
+        layers,
+        experts,
+        lambda: _too_small(budget, cfg, dtype, kv_tokens, scratch_experts, slots),
+    )
+    return None if fitted == layers * experts else fitted
 
 
 def count_slots(budget: Budget, layers: int, experts: int) -> int:
     """The slots of a budget given as a count (SLOT_KINDS) for a model's shape, before the
-    checks of `total_slots`; ValueError for the kinds that need device memory to size."""
+    minimum (`fit_slots`); ValueError for the kinds that need device memory to size."""
     if budget.kind == "expert_fraction":
         return round(budget.value * layers * experts)
     if budget.kind == "expert_budget":
@@ -108,6 +158,14 @@ def count_slots(budget: Budget, layers: int, experts: int) -> int:
     raise ValueError(f"a {budget.kind} budget is sized from device memory, not counted")
 
 
+def fit_slots(slots: int, layers: int, experts: int, too_small: Callable[[], str]) -> int:
+    """`slots`, at most every expert: the one check of the budget's minimum, one slot per MoE
+    layer (ValueError with `too_small()` below it)."""
+    if slots < layers:
+        raise ValueError(too_small())
+    return min(slots, layers * experts)
+
+
 def shape_slots(budget: Budget, layers: int, experts: int) -> int:
     """Total slots of a count budget for a model's shape without a device (the simulator):
     at most every expert; ValueError below one slot per MoE layer or for a memory budget."""
@@ -115,14 +173,19 @@ def shape_slots(budget: Budget, layers: int, experts: int) -> int:
         kinds = f"{', '.join(SLOT_KINDS[:-1])} or {SLOT_KINDS[-1]}"
         raise ValueError(f"a {budget.kind} budget needs a device to size: give {kinds}")
     slots = count_slots(budget, layers, experts)
-    if slots < layers:
-        raise ValueError(f"budget of {slots} slots is below one per MoE layer ({layers})")
-    return min(slots, layers * experts)
+    return fit_slots(
+        slots,
+        layers,
+        experts,
+        lambda: f"budget of {slots} slots is below one per MoE layer ({layers})",
+    )
 
 
 def free_memory(device: torch.device) -> int:
     """Free device memory in bytes (CUDA), or host memory for a CPU device."""
     if device.type == "cuda":
+        import torch  # the budget is declared without torch (recipes validate it)
+
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.9)
     return int(host_available() * 0.5)
@@ -140,7 +203,7 @@ def host_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _fixed_bytes(cfg, dtype, kv_tokens, scratch_experts) -> int:
+def _fixed_bytes(cfg: ModelConfig, dtype: torch.dtype, kv_tokens: int, scratch_experts: int) -> int:
     return (
         non_expert_bytes(cfg, dtype)
         + kv_bytes(cfg, dtype, kv_tokens)
@@ -149,20 +212,31 @@ def _fixed_bytes(cfg, dtype, kv_tokens, scratch_experts) -> int:
     )
 
 
-def _slots_in_memory(memory: int, cfg, dtype, kv_tokens, scratch_experts) -> int:
+def _slots_in_memory(
+    memory: int, cfg: ModelConfig, dtype: torch.dtype, kv_tokens: int, scratch_experts: int
+) -> int:
     return max(0, (memory - _fixed_bytes(cfg, dtype, kv_tokens, scratch_experts))) // expert_bytes(
         cfg, dtype
     )
 
 
-def minimum_bytes(cfg: ModelConfig, dtype, kv_tokens: int, scratch_experts: int) -> int:
+def minimum_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, kv_tokens: int, scratch_experts: int
+) -> int:
     """The smallest device budget that runs: fixed parts plus one expert slot per MoE layer."""
     return _fixed_bytes(cfg, dtype, kv_tokens, scratch_experts) + cfg.num_moe_layers * expert_bytes(
         cfg, dtype
     )
 
 
-def _too_small(budget, cfg, dtype, kv_tokens, scratch_experts, slots) -> str:
+def _too_small(
+    budget: Budget,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    kv_tokens: int,
+    scratch_experts: int,
+    slots: int,
+) -> str:
     need = minimum_bytes(cfg, dtype, kv_tokens, scratch_experts)
     what = {
         "expert_fraction": f"expert_fraction {budget.value} gives {slots} slots",

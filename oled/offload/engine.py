@@ -50,6 +50,8 @@ from oled.token_states import TOKEN_COMMITTED, TOKEN_FIXED, TOKEN_MASKED
 class OffloadEngine(DecodeObserver):
     """An expert executor over fixed per-layer slot tables, driven by a Planner."""
 
+    graph_safe = False  # it decides on the host between layers (ExpertExecutor)
+
     def __init__(
         self,
         *,

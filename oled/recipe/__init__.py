@@ -5,7 +5,10 @@
 file, the line and the key; `toml` reads TOML, finds the line of each key and writes recipes.
 """
 
+from oled.model.config import BUILTIN
+from oled.offload.budget import parse_size
 from oled.recipe.load import (
+    Flags,
     RecipeError,
     apply_overrides,
     command_recipe,
@@ -16,7 +19,6 @@ from oled.recipe.load import (
     validate,
 )
 from oled.recipe.schema import (
-    BUILTIN,
     DEFAULT_MODEL,
     TRACE,
     BudgetSection,
@@ -26,7 +28,6 @@ from oled.recipe.schema import (
     RuntimeSection,
     SearchSpace,
     beside,
-    parse_size,
     routing_trace,
 )
 from oled.recipe.toml import dump_toml, key_lines, tomllib
@@ -38,6 +39,7 @@ __all__ = [
     "BudgetSection",
     "Component",
     "DecodingSection",
+    "Flags",
     "Recipe",
     "RecipeError",
     "RuntimeSection",

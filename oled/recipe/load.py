@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -17,9 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from oled import registry as reg
+from oled.model.config import BUILTIN, ModelConfig, builtin_config, builtin_name
 from oled.recipe.locate import Locator, set_origins
 from oled.recipe.schema import (
-    BUILTIN,
     DEFAULT_MODEL,
     Component,
     Recipe,
@@ -97,26 +98,63 @@ def override(
     return out
 
 
-def command_recipe(
-    recipe: Path | None,
-    model: str | None,
-    flags: Mapping[str, tuple[str, Any]],
-) -> Recipe:
+def _flag(key: str, flag: str) -> Any:
+    """A field of `Flags`: the recipe key it sets and the flag that names it in errors."""
+    return field(default=None, metadata={"key": key, "flag": flag})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Flags:
+    """A command's flags over a recipe, typed: each field sets one recipe key (None, a flag
+    left out, keeps the recipe's value); the recipe's schema validates them, and an invalid
+    value's error names its flag."""
+
+    model: str | None = _flag("model.path", "--model")
+    device: str | None = _flag("runtime.device", "--device")
+    dtype: str | None = _flag("runtime.dtype", "--dtype")
+    cache_size: int | None = _flag("runtime.budget", "--cache-size")  # slots per MoE layer
+    graphs: bool | None = _flag("runtime.cuda_graphs", "--graphs/--eager")
+    kernels: str | None = _flag("runtime.kernels", "--kernels")
+    transfer: str | None = _flag("runtime.transfer", "--transfer")
+    max_batch: int | None = _flag("runtime.max_batch", "--max-batch")
+    block_length: int | None = _flag("decoding.block_length", "--block-length")
+    threshold: float | None = _flag("decoding.threshold", "--threshold")
+    steps: int | None = _flag("decoding.steps", "--steps")
+    max_tokens: int | None = _flag("decoding.max_new_tokens", "--max-tokens")
+    temperature: float | None = _flag("decoding.temperature", "--temperature")
+    seed: int | None = _flag("decoding.seed", "--seed")
+    use_cache: bool | None = _flag("decoding.use_cache", "--no-cache")
+    max_tokens_flag: str = "--max-tokens"  # how the command spells --max-tokens
+
+    def over(self, recipe: Recipe) -> Recipe:
+        """`recipe` with the flags given set, validated (`override`: errors name the flag)."""
+        values: dict[str, Any] = {}
+        origins: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if "key" in f.metadata and value is not None:
+                key = f.metadata["key"]
+                values[key] = _budget(value) if f.name == "cache_size" else value
+                origins[key] = (
+                    self.max_tokens_flag if f.name == "max_tokens" else f.metadata["flag"]
+                )
+        return override(recipe, values, origins) if values else recipe
+
+
+def _budget(slots_per_layer: int) -> dict[str, int]:
+    """The budget table of `--cache-size` (it replaces the recipe's whole budget)."""
+    return {"slots_per_layer": slots_per_layer}
+
+
+def command_recipe(recipe: Path | None, flags: Flags) -> Recipe:
     """The spec a command builds its runtime from: the recipe file (else the schema's defaults
-    for `model`, else for the built-in default), then each flag the user gave, as
-    `{dotted key: (flag, value)}` with None for flags left out. Flags override the recipe, the
-    recipe overrides the schema's defaults; an invalid flag's error names the flag."""
-    given = {key: item for key, item in flags.items() if item[1] is not None}
-    if model is not None:
-        given["model.path"] = ("--model", model)
+    for the built-in default model), then each flag the user gave. Flags override the recipe,
+    the recipe overrides the schema's defaults; an invalid flag's error names the flag."""
     if recipe is not None:
         base = load_recipe(recipe)
     else:
         base = validate({"model": {"path": DEFAULT_MODEL}}, source=None, lines={})
-    if not given:
-        return base
-    values = {key: value for key, (_, value) in given.items()}
-    return override(base, values, {key: flag for key, (flag, _) in given.items()})
+    return flags.over(base)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> set[str]:
@@ -242,19 +280,13 @@ def trace_meta(path: Path) -> Any:
         return TraceMeta.from_strings(f.metadata() or {})
 
 
-def model_config(model: str) -> Any:
+def model_config(model: str) -> ModelConfig | None:
     """The ModelConfig of a recipe's `model.path` without building anything: a directory's
-    config.json, a built-in's (the shipped default, else its preset); None when the
-    directory holds no config.json."""
-    from oled.model.config import ModelConfig
-
-    if model.startswith(BUILTIN):
-        from oled.model.presets import preset_config
-        from oled.runtime import shipped_default
-
-        name = model.removeprefix(BUILTIN)
-        shipped = shipped_default() if name == "tiny" else None
-        return ModelConfig.from_json(shipped) if shipped else preset_config(name)
+    config.json, a built-in's (oled.model.config.builtin_config); None when the directory
+    holds no config.json."""
+    name = builtin_name(model)
+    if name is not None:
+        return builtin_config(name)
     path = Path(model).expanduser()
     return ModelConfig.from_json(path) if (path / "config.json").is_file() else None
 

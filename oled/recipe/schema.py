@@ -10,29 +10,27 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from oled import registry as reg
 from oled.decoding.config import DecodeConfig
+from oled.model.config import BUILTIN
+from oled.offload.budget import Budget
 from oled.recipe.toml import dump_toml
 from oled.registry import suggest
 
-BUILTIN = "builtin:"
 DEFAULT_MODEL = "builtin:tiny"  # the trained default model shipped in the package
 TRACE = "trace:"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$")
-_UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as `"24GiB"` or `"500 MB"`."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"not a size: {text!r} (e.g. '24GiB')")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def registered_builtin(kind: str, value: str) -> str:
@@ -69,38 +67,7 @@ class ModelSection(Strict):
         return registered_builtin("model", value)
 
 
-class BudgetSection(Strict):
-    """How much GPU memory experts may use: exactly one of the fields."""
-
-    expert_fraction: float | None = Field(None, gt=0, le=1)
-    expert_budget: int | None = Field(None, ge=1)  # slots of all MoE layers together
-    slots_per_layer: int | None = Field(None, ge=1)
-    gpu_memory: str | None = None
-    auto: Literal[True] | None = None
-    resident: Literal[True] | None = None
-
-    @field_validator("gpu_memory")
-    @classmethod
-    def _size(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_size(value)
-        return value
-
-    def choice(self) -> tuple[str, Any]:
-        """The budget's kind (the one field that is set) and value: bytes for `gpu_memory`,
-        None for `auto` and `resident` (what oled.offload.budget.Budget takes)."""
-        ((kind, value),) = self.model_dump(exclude_none=True).items()
-        if kind == "gpu_memory":
-            return kind, parse_size(value)
-        return kind, None if value is True else value
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> BudgetSection:
-        chosen = [k for k, v in self.model_dump().items() if v is not None]
-        if len(chosen) != 1:
-            names = ", ".join(type(self).model_fields)
-            raise ValueError(f"set exactly one of {names} (got {len(chosen)})")
-        return self
+BudgetSection = Budget  # the `runtime.budget` table: the budget the runtime sizes (one object)
 
 
 class RuntimeSection(Strict):
@@ -108,24 +75,30 @@ class RuntimeSection(Strict):
 
     device: str = "auto"
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    cpu_threads: int | None = Field(None, ge=1)
-    budget: BudgetSection = Field(default_factory=lambda: BudgetSection(resident=True))
-    stage_capacity: int = Field(8, ge=1)  # experts per round of uncached copies (2 rounds held)
-    prefetch: int = Field(0, ge=0)  # experts per MoE layer copied a layer ahead (0 = off)
+    cpu_threads: int | None = Field(default=None, ge=1)
+    budget: Budget = Field(default_factory=lambda: Budget(resident=True))
+    stage_capacity: int = Field(
+        default=8, ge=1
+    )  # experts per round of uncached copies (2 rounds held)
+    prefetch: int = Field(default=0, ge=0)  # experts per MoE layer copied a layer ahead (0 = off)
     cost: str = "calibrate"  # "calibrate" or a cost profile name such as "h200"
     cuda_graphs: bool = True  # replay forwards as CUDA graphs on CUDA (the same tokens)
     kernels: Literal["auto", "triton", "torch"] = "auto"  # fused Triton kernels on CUDA
     planner: Literal["auto", "compiled", "python"] = "auto"  # host decisions (same decisions)
-    max_batch: int = Field(8, ge=1)  # generations `oled serve` decodes together (1: in turn)
+    max_batch: int = Field(
+        default=8, ge=1
+    )  # generations `oled serve` decodes together (1: in turn)
     # how misses cross the link: bf16 rows, encoded bit-exact, or fp8 / int4 (lossy: other tokens)
     transfer: Literal["plain", "lossless", "fp8", "int4"] = "plain"
 
-    @field_validator("kernels", mode="before")
+    @field_validator("kernels", "transfer", mode="before")
     @classmethod
-    def _kernels(cls, value: Any) -> Any:
-        choices = ("auto", "triton", "torch")
+    def _known(cls, value: Any, info: ValidationInfo) -> Any:
+        """A name outside the choices, said as the runtime's own checks say it."""
+        name = info.field_name or ""
+        choices = get_args(cls.model_fields[name].annotation)
         if isinstance(value, str) and value not in choices:
-            raise ValueError(f"unknown kernels {value!r}; choose from {', '.join(choices)}")
+            raise ValueError(f"unknown {name} {value!r}; choose from {', '.join(choices)}")
         return value
 
     @field_validator("device")
@@ -143,13 +116,15 @@ DECODING = DecodeConfig()  # the decoding defaults
 class DecodingSection(Strict):
     """Block diffusion decoding (oled.decoding.config)."""
 
-    block_length: int = Field(DECODING.block_length, ge=1)
-    threshold: float = Field(DECODING.threshold, gt=0, le=1)
-    max_new_tokens: int = Field(DECODING.max_new_tokens, ge=1)
-    temperature: float = Field(DECODING.temperature, ge=0)
+    block_length: int = Field(default=DECODING.block_length, ge=1)
+    threshold: float = Field(default=DECODING.threshold, gt=0, le=1)
+    max_new_tokens: int = Field(default=DECODING.max_new_tokens, ge=1)
+    temperature: float = Field(default=DECODING.temperature, ge=0)
     seed: int = DECODING.seed
     use_cache: bool = DECODING.use_cache  # keep a finished block's KV as the prefix
-    steps: int | None = Field(DECODING.steps, ge=1)  # per block: >= block_length/steps a forward
+    steps: int | None = Field(
+        default=DECODING.steps, ge=1
+    )  # per block: >= block_length/steps a forward
     strict_threshold: bool = DECODING.strict_threshold  # commit > threshold, as LLaDA2's generate
 
     @model_validator(mode="after")
@@ -197,8 +172,8 @@ class WorkloadSection(Strict):
     """Prompts to generate from and how often."""
 
     prompts: str = "builtin:short"  # builtin:NAME (a registered workload) or a JSONL path
-    warmup: int = Field(1, ge=0)
-    repeats: int = Field(1, ge=1)
+    warmup: int = Field(default=1, ge=0)
+    repeats: int = Field(default=1, ge=1)
     chat: bool = True
     follow: bool = False  # commit the all-resident model's tokens (Runtime.reference)
     agreement: bool = True  # free-running: compare each generation with the resident model's
@@ -238,7 +213,7 @@ class SearchSpace(Strict):
     low: float | None = None
     high: float | None = None
     choices: list[Any] | None = None
-    int_: bool = Field(False, alias="int")
+    int_: bool = Field(default=False, alias="int")
     log: bool = False
     step: float | None = None
 
@@ -261,7 +236,7 @@ class SearchSpace(Strict):
 class TuneSection(Strict):
     """An Optuna study over recipe keys."""
 
-    trials: int = Field(20, ge=1)
+    trials: int = Field(default=20, ge=1)
     storage: str | None = None  # Optuna URL or journal:PATH; default sqlite:///<cwd>/optuna.db
     study_name: str | None = None  # default: the recipe's name
     objective: str = "simulate"  # a registered objective: simulate, run, ...

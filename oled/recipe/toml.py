@@ -10,7 +10,7 @@ from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:
+else:  # Python 3.10
     import tomli as tomllib
 
 __all__ = ["dump_toml", "key_lines", "line_of_error", "tomllib"]

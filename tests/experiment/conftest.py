@@ -24,6 +24,7 @@ class SyntheticRuntime:
     """Routes each token to seeded experts and keeps per-layer LRU caches; reports stats."""
 
     device = "cpu"
+    engine = None  # no offload engine (Runtime.engine)
 
     def __init__(self, *, layers: int = 3, experts: int = 16, slots: int = 6, seed: int = 0):
         self.layers = layers
