@@ -14,9 +14,9 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from oled.bench.runs import run_once, run_replay
 from oled.decoding import DecodeConfig, DecodeObserver, IterationInfo, Trajectory
-from oled.trace.replay import RoutingTrace
 from oled.model.stages import STAGES, annotate
 from oled.runtime import Runtime
+from oled.trace.replay import RoutingTrace
 
 Replay = tuple[RoutingTrace, int]  # a trace and the index of the prompt to replay
 

@@ -9,8 +9,8 @@ import torch
 
 from oled.decoding import DecodeConfig, DecodeObserver, GenerationStats
 from oled.decoding.follow import Trajectory
-from oled.trace.replay import RoutingTrace
 from oled.runtime import Runtime
+from oled.trace.replay import RoutingTrace
 
 Generation = tuple[GenerationStats, dict | None, list[int]]  # stats, offload figures, tokens
 

@@ -14,8 +14,8 @@ from oled.progress import track
 if TYPE_CHECKING:
     from oled.decoding.config import DecodeConfig
     from oled.decoding.follow import Trajectory
-    from oled.trace.format import Trace
     from oled.runtime import Runtime
+    from oled.trace.format import Trace
     from oled.trace.recorder import TraceRecorder
 
 
