@@ -404,7 +404,11 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
         progress=progress,
         pin_experts=dev.type == "cuda" and slots is not None,  # pinned only if they stay on host
     )
-    settings = {"decode": spec.decode, "graphs": rt.cuda_graphs, "kernels": rt.kernels}
+    settings: dict[str, Any] = {
+        "decode": spec.decode,
+        "graphs": rt.cuda_graphs,
+        "kernels": rt.kernels,
+    }
     if slots is None:
         executor = ResidentExperts(ckpt.experts, dev)
         return Runtime(checkpoint=ckpt, device=dev, executor=executor, **settings)

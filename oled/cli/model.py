@@ -43,7 +43,9 @@ def model_init(
 
 @model_app.command("info")
 @user_errors
-def model_info(model: Annotated[str, typer.Argument(help="Checkpoint directory or builtin:NAME.")]):
+def model_info(
+    model: Annotated[str, typer.Argument(help="Checkpoint directory or builtin:NAME.")],
+) -> None:
     """Show a checkpoint's shape, expert sizes and memory needs; check its shards' headers and
     sizes (no weight is read)."""
     from oled.model.checkpoint import check_shards

@@ -118,8 +118,8 @@ def simulate_cmd(
             table.add_column(col, no_wrap=True, min_width=max(map(len, runs)))
         else:
             table.add_column(col, justify="right")
-    for name, r in runs.items():
-        res, bound = simulate_recipe(trace, r, profile=profile)
+    for name, run in runs.items():
+        res, bound = simulate_recipe(trace, run, profile=profile)
         table.add_row(
             name,
             f"{res.hit_rate:.3f}",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -33,6 +33,9 @@ from oled.cli.options import (
     load,
     user_errors,
 )
+
+if TYPE_CHECKING:
+    from oled.trace.format import Trace
 
 
 @user_errors
@@ -476,7 +479,7 @@ def _bench_rows(cfg, specs, works, follow: bool, report_dir: Path | None) -> Non
         )
 
 
-_TRACES: dict[Path, object] = {}  # traces loaded by this process, by path
+_TRACES: dict[Path, Trace] = {}  # traces loaded by this process, by path
 
 
 def _trace_workload(spec):

@@ -327,7 +327,7 @@ def _check_routing(recipe: Recipe, where: Locator, base: Path | None) -> None:
 
 def component_model(kind: str, name: str) -> type[BaseModel]:
     """A pydantic model of a component's constructor parameters (plus `kind`)."""
-    fields: dict[str, Any] = {"kind": (Literal[name], ...)}  # type: ignore[valid-type]
+    fields: dict[str, Any] = {"kind": (Literal[name], ...)}
     for p in reg.params(kind, name):
         fields[p.name] = (p.annotation, ... if p.default is REQUIRED else p.default)
     config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)

@@ -96,7 +96,7 @@ class Trace:
         """Per-layer (ids int64 [T, K], weights [T, K]) of step index s."""
         a, b = self.row_offsets[s], self.row_offsets[s + 1]
         ids = self.ids[:, a:b].astype(np.int64)
-        w = self.weights[:, a:b].astype(dtype)
+        w: np.ndarray = self.weights[:, a:b].astype(dtype)
         return [(ids[layer], w[layer]) for layer in range(self.meta.num_moe_layers)]
 
     def __iter__(self) -> Iterator[tuple[StepContext, Routing]]:

@@ -22,6 +22,8 @@ class TrainExperts:
     (on the device, no host sync) for the balancing rule.
     """
 
+    graph_safe = False  # (ExpertExecutor) training runs eagerly
+
     def __init__(self, cfg: ModelConfig, gen: torch.Generator) -> None:
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         out_std = 0.02 / math.sqrt(2 * cfg.num_hidden_layers)
