@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,11 @@ from oled.policies.planner import STAGE_ROUNDS, Planner
 from oled.recipe import DEFAULT_MODEL, Recipe, RuntimeSection
 from oled.recipe.schema import RUNTIME
 from oled.trace.replay import RoutingReplay, special_ids
+
+if TYPE_CHECKING:
+    from oled.model.model import LLaDA2Model
+    from oled.model.tokenizer import Tokenizer
+    from oled.trace.replay import RoutingTrace
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -146,15 +151,15 @@ class Runtime:
         return self.executor if isinstance(self.executor, OffloadEngine) else None
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.checkpoint.tokenizer
 
     @property
-    def config(self):
+    def config(self) -> ModelConfig:
         return self.checkpoint.config
 
     @property
-    def model(self):
+    def model(self) -> LLaDA2Model:
         return self.checkpoint.model
 
     def prompt_ids(self, prompt: str | Sequence[dict[str, str]], *, chat: bool) -> list[int]:
@@ -212,7 +217,7 @@ class Runtime:
             block_length=block_length or self.decode.block_length,
         )
 
-    def routing_replay(self, trace) -> RoutingReplay:
+    def routing_replay(self, trace: RoutingTrace | RoutingReplay) -> RoutingReplay:
         """A trace (oled.trace.format.Trace) ready to replay on this model (the last one is
         kept, with its device buffers); ValueError naming both shapes unless the model has the
         trace's routing geometry."""
@@ -229,7 +234,7 @@ class Runtime:
 
     def replay_stream(
         self,
-        trace,
+        trace: RoutingTrace | RoutingReplay,
         prompt_index: int = 0,
         *,
         observers: Sequence[DecodeObserver] = (),
@@ -256,7 +261,11 @@ class Runtime:
             self.model.set_routing_override(None)
 
     def replay(
-        self, trace, prompt_index: int = 0, *, observers: Sequence[DecodeObserver] = ()
+        self,
+        trace: RoutingTrace | RoutingReplay,
+        prompt_index: int = 0,
+        *,
+        observers: Sequence[DecodeObserver] = (),
     ) -> dict:
         """Replay one traced generation (`replay_stream`); its statistics (`stats`)."""
         for _ in self.replay_stream(trace, prompt_index, observers=observers):
@@ -279,7 +288,7 @@ class Runtime:
         decode: DecodeConfig | None = None,
         follow: Trajectory | None = None,
         observers: Sequence[DecodeObserver] = (),
-        **overrides,
+        **overrides: Any,
     ) -> Generation:
         """Decode a whole answer; keyword overrides replace fields of the decode config. With
         `follow`, commit what that recorded generation committed (see `reference`)."""
@@ -296,7 +305,7 @@ class Runtime:
         *,
         chat: bool = True,
         decode: DecodeConfig | None = None,
-        **overrides,
+        **overrides: Any,
     ) -> Trajectory:
         """The commits of a generation of `prompt` with every expert computed on the device:
         the all-resident model's tokens, bit for bit, whatever the policies and budget. Runs

@@ -7,7 +7,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TextIO, TypeVar
 
 import typer
 from rich.console import Console
@@ -18,6 +18,9 @@ from oled.recipe.schema import DECODING, DEFAULT_MODEL, RUNTIME
 if TYPE_CHECKING:
     from oled.recipe import Recipe
     from oled.runtime import Runtime
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -163,17 +166,24 @@ def at_least(low: int, **flags: int) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: must be at least {low} (got {value})")
 
 
-def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+def show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
     """A warning as one yellow `warning:` line on stderr (warnings.showwarning's signature)."""
     err_console.print(f"[yellow]warning:[/yellow] {escape(str(message))}")
 
 
-def user_errors(fn):
+def user_errors(fn: Callable[P, R]) -> Callable[P, R]:
     """Expected failures (bad input, missing files, what this machine lacks: ValueError and
     OSError) -> one red line and exit code 2."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except (ValueError, OSError) as err:

@@ -35,6 +35,10 @@ from oled.cli.options import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from oled.bench import BenchConfig, TraceWorkload
+    from oled.decoding import GenerationStats
     from oled.trace.format import Trace
 
 
@@ -92,7 +96,7 @@ def generate(
     print_stats(rt.last_stats)
 
 
-def print_stats(stats) -> None:
+def print_stats(stats: GenerationStats) -> None:
     from oled.decoding.decoder import median_p90
 
     median, _ = median_p90(stats.decode_ms)
@@ -369,7 +373,9 @@ def stream_counts(text: str) -> list[int]:
     return counts
 
 
-def _bench_streams(cfg, specs, counts: list[int], report_dir: Path | None) -> None:
+def _bench_streams(
+    cfg: BenchConfig, specs: Sequence[tuple[str, Any]], counts: list[int], report_dir: Path | None
+) -> None:
     """Rows of concurrent streams per spec (oled.bench.streams), the table and the report."""
     from oled import bench as b
     from oled.bench.streams import bench_streams, streams_table
@@ -431,7 +437,13 @@ def with_routing(spec: Any, routing: str | None, prompts: str | None) -> Any:
     return spec.with_values(values, origins)
 
 
-def _bench_rows(cfg, specs, works, follow: bool, report_dir: Path | None) -> None:
+def _bench_rows(
+    cfg: BenchConfig,
+    specs: Sequence[tuple[str, Any]],
+    works: Sequence[TraceWorkload | None],
+    follow: bool,
+    report_dir: Path | None,
+) -> None:
     """Run every row (one runtime at a time), print the tables and write the report (after
     each row too, when there are several, so that finished rows survive a later failure)."""
     import gc
@@ -482,7 +494,7 @@ def _bench_rows(cfg, specs, works, follow: bool, report_dir: Path | None) -> Non
 _TRACES: dict[Path, Trace] = {}  # traces loaded by this process, by path
 
 
-def _trace_workload(spec):
+def _trace_workload(spec: Any) -> TraceWorkload | None:
     """The trace workload (oled.bench.TraceWorkload) a bench row replays, or None: its
     recipe's `workload.routing` and `trace_prompts` (validated with the recipe), checked
     against the row's model geometry before anything loads."""

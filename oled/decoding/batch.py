@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +81,7 @@ class BatchDecoder:
         model: LLaDA2Model,
         *,
         mask_id: int,
-        stop_ids: Sequence[int] = (),
+        stop_ids: Iterable[int] = (),
         observers: Sequence[DecodeObserver] = (),
         forward: EagerForward | None = None,
         max_batch: int = 8,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -99,7 +99,7 @@ class BlockDecoder:
         model: LLaDA2Model,
         *,
         mask_id: int,
-        stop_ids: Sequence[int] = (),
+        stop_ids: Iterable[int] = (),
         observers: Sequence[DecodeObserver] = (),
         forward: EagerForward | None = None,
     ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -13,6 +13,11 @@ from torch import Tensor, nn
 from oled.model.config import ModelConfig
 from oled.model.layers import MLP, Attention, RMSNorm, Rotary, Router
 from oled.model.stages import stage
+
+if TYPE_CHECKING:
+    from torch.types import Device
+
+    from oled.model.layers import KV, Mask
 
 
 class ExpertExecutor(Protocol):
@@ -54,7 +59,7 @@ class RoutingOverride:
 
     _serial = itertools.count(1)
 
-    def __init__(self, *, layers: int, top_k: int, rows: int, device) -> None:
+    def __init__(self, *, layers: int, top_k: int, rows: int, device: Device) -> None:
         self.layers, self.top_k, self.capacity = layers, top_k, rows
         size = layers * rows * top_k
         self.ids = torch.zeros(size, dtype=torch.long, device=device)  # [L * R * K]
@@ -91,7 +96,13 @@ class KVCache:
     """Preallocated per-layer key/value buffers; `length` tokens of prefix are valid."""
 
     def __init__(
-        self, cfg: ModelConfig, *, max_len: int, batch: int, dtype: torch.dtype, device
+        self,
+        cfg: ModelConfig,
+        *,
+        max_len: int,
+        batch: int,
+        dtype: torch.dtype,
+        device: Device,
     ) -> None:
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -140,7 +151,7 @@ class BatchRows:
         logits_from: list[int],
         *,
         keys: int,
-        device,
+        device: Device,
         exact: bool = False,
     ) -> BatchRows:
         """Rows of sequences in `slots` order; each returns the logits of its rows from
@@ -269,11 +280,29 @@ class DecoderLayer(nn.Module):
             else MoE(cfg, index - cfg.first_k_dense_replace)
         )
 
-    def forward(self, x, rotary, cos, sin, kv, past, mask) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        rotary: Rotary,
+        cos: Tensor,
+        sin: Tensor,
+        kv: KV | None,
+        past: int | BatchRows,
+        mask: Mask,
+    ) -> Tensor:
         x = self.attend(x, rotary, cos, sin, kv, past, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def attend(self, x, rotary, cos, sin, kv, past, mask) -> Tensor:
+    def attend(
+        self,
+        x: Tensor,
+        rotary: Rotary,
+        cos: Tensor,
+        sin: Tensor,
+        kv: KV | None,
+        past: int | BatchRows,
+        mask: Mask,
+    ) -> Tensor:
         """The attention half with its residual: x [B, T, H] -> [B, T, H]."""
         return x + self.attention(self.input_layernorm(x), rotary, cos, sin, kv, past, mask)
 
@@ -349,7 +378,7 @@ class LLaDA2Model(nn.Module):
 
         return remove
 
-    def forward(self, tokens: Tensor, **options) -> Tensor:
+    def forward(self, tokens: Tensor, **options: Any) -> Tensor:
         """Logits [B, T - logits_from, V] fp32 for tokens [B, T]: `steps` (same keywords)
         driven through each MoE layer's hooks and executor."""
         return drive(self.steps(tokens, **options), self.execute)
@@ -431,7 +460,7 @@ def drive(steps: ForwardSteps, routed: Callable[[MoERequest], Tensor]) -> Tensor
         return done.value
 
 
-def block_causal_mask(start: int, t: int, block_length: int, device) -> Tensor | None:
+def block_causal_mask(start: int, t: int, block_length: int, device: Device) -> Tensor | None:
     """Mask [T, start + T] for queries at start..start+T-1 over keys 0..start+T-1.
 
     Query p sees key j iff block(j) <= block(p); None when the queries share one block (they
