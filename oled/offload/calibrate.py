@@ -6,6 +6,7 @@ import hashlib
 import json
 import platform
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from oled import kernels
 from oled.model.experts import ExpertStore, expert_pairs, expert_rows
@@ -105,7 +107,7 @@ def calibrated_cost(store: ExpertStore, device: torch.device, cache_dir: Path) -
     return calibration
 
 
-def _timed(fn, device: torch.device, repeat: int = 5) -> float:
+def _timed(fn: Callable[[], object], device: torch.device, repeat: int = 5) -> float:
     """Median milliseconds of fn() (synchronised)."""
     fn()
     times = []
@@ -120,7 +122,7 @@ def _timed(fn, device: torch.device, repeat: int = 5) -> float:
     return float(np.median(times))
 
 
-def _line(xs, ys) -> tuple[float, float]:
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
     return max(float(intercept), 0.0), max(float(slope), 1e-6)
 
@@ -136,7 +138,7 @@ def measure(store: ExpertStore, device: torch.device) -> CostModel:
     src, dst = Rows.of(w13, w2), Rows.of(slot13, slot2)
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
-    def copy(count: int):
+    def copy(count: int) -> Callable[[], None]:
         return lambda: launch(src, dst, list(range(count)), list(range(count)), stream)
 
     one, many = _timed(copy(1), device), _timed(copy(n), device)
@@ -158,7 +160,7 @@ def measure(store: ExpertStore, device: torch.device) -> CostModel:
     )
 
 
-def _cpu_path_costs(w13, w2, device) -> tuple[float, float]:
+def _cpu_path_costs(w13: Tensor, w2: Tensor, device: torch.device) -> tuple[float, float]:
     """Per-expert CPU cost as the engine pays it: activations to host, the CPU experts'
     GEMMs over the host table and their rows back to the device. Fitted as (fixed, per token)
     for one expert, with the layer's fixed overhead shared out over a typical handful of CPU
@@ -170,12 +172,12 @@ def _cpu_path_costs(w13, w2, device) -> tuple[float, float]:
     x = torch.randn(t, h, generator=gen).to(device=device, dtype=w13.dtype)
     weights = torch.rand(t, k, generator=gen)
 
-    def layer(n_experts: int, tokens_each: int):
+    def layer(n_experts: int, tokens_each: int) -> Callable[[], list[Tensor]]:
         ids = torch.full((t, k), -1, dtype=torch.long)
         for e in range(n_experts):  # expert e gets `tokens_each` (token, expert) pairs
             ids.view(-1)[e * tokens_each : (e + 1) * tokens_each] = e
 
-        def run():
+        def run() -> list[Tensor]:
             parts = expert_rows(x.to("cpu"), ids, weights, w13, w2)
             return [part.to(device) for part in parts]
 
@@ -188,7 +190,9 @@ def _cpu_path_costs(w13, w2, device) -> tuple[float, float]:
     return max(few - 4 * per_token, fixed_ms / 4), per_token
 
 
-def _expert_time(w13, w2, tokens: int, k: int, device, experts: int = 1) -> float:
+def _expert_time(
+    w13: Tensor, w2: Tensor, tokens: int, k: int, device: torch.device, experts: int = 1
+) -> float:
     """Milliseconds of expert_pairs with `tokens` tokens spread over `experts` experts, top-k."""
     h = w2.shape[1]
     gen = torch.Generator().manual_seed(0)

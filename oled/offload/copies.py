@@ -15,12 +15,17 @@ needed to keep them alive.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
 from torch import Tensor
+
+Indices: TypeAlias = "np.ndarray | Sequence[int]"  # expert or slot indices: an int array or list
+RuntimeFunction: TypeAlias = Callable[..., int]  # a CUDA runtime function: its error code
 
 _HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 _DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
@@ -67,7 +72,7 @@ def batching() -> bool:
 
 
 def launch(
-    src: Rows, dst: Rows, rows: np.ndarray, into: np.ndarray, stream: torch.cuda.Stream | None
+    src: Rows, dst: Rows, rows: Indices, into: Indices, stream: torch.cuda.Stream | None
 ) -> None:
     """Copy src rows `rows` into dst rows `into` (both tables; int arrays or lists), on
     `stream` (None: at once)."""
@@ -75,6 +80,7 @@ def launch(
     if memcpy is None:
         _torch_copies(src, dst, list(rows), list(into), stream)
         return
+    assert stream is not None  # _runtime_for: no runtime function without a stream
     handle = ctypes.c_void_p(stream.cuda_stream)
     batch = runtime_memcpy_batch() if _batching and len(rows) > 1 else None
     if batch is not None and stream.cuda_stream:  # not on the legacy default stream (0)
@@ -99,13 +105,14 @@ def transfer(dst: Tensor, src: Tensor, stream: torch.cuda.Stream | None) -> None
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         return
+    assert stream is not None  # _runtime_for: no runtime function without a stream
     kind = _DEVICE_TO_DEVICE if src.is_cuda and dst.is_cuda else _HOST_TO_DEVICE
     kind = _DEVICE_TO_HOST if src.is_cuda and not dst.is_cuda else kind
     handle = ctypes.c_void_p(stream.cuda_stream)
     check(memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes, kind, handle))
 
 
-def _runtime_for(stream: torch.cuda.Stream | None):
+def _runtime_for(stream: torch.cuda.Stream | None) -> RuntimeFunction | None:
     """The runtime's cudaMemcpyAsync for a stream of the current device, else None."""
     if stream is None or stream.device_index != torch.cuda.current_device():
         return None
@@ -118,7 +125,9 @@ def check(err: int, call: str = "cudaMemcpyAsync") -> None:
         raise RuntimeError(f"{call} failed: {_error_string(err)}")
 
 
-def _torch_copies(src: Rows, dst: Rows, rows, into, stream) -> None:
+def _torch_copies(
+    src: Rows, dst: Rows, rows: Sequence[int], into: Sequence[int], stream: torch.cuda.Stream | None
+) -> None:
     (s13, s2), (d13, d2) = src.views, dst.views
     targets = [d13[i] for i in into] + [d2[i] for i in into]
     sources = [s13[r] for r in rows] + [s2[r] for r in rows]
@@ -130,13 +139,13 @@ def _torch_copies(src: Rows, dst: Rows, rows, into, stream) -> None:
 
 
 @cache
-def runtime_memcpy():
+def runtime_memcpy() -> RuntimeFunction | None:
     """cudaMemcpyAsync of the CUDA runtime this torch loaded (ctypes), or None."""
     p = ctypes.c_void_p
     return runtime_function("cudaMemcpyAsync", p, p, ctypes.c_size_t, ctypes.c_int, p)
 
 
-def runtime_function(name: str, *argtypes):
+def runtime_function(name: str, *argtypes: type) -> RuntimeFunction | None:
     """The CUDA runtime's function `name` with these argument types, returning its error code
     (ctypes), or None without the runtime or the function."""
     address = runtime_entry(name)
@@ -165,7 +174,7 @@ class _BatchCopy:
     """cudaMemcpyBatchAsync over the rows of both tables: its CUDA 13 form, or CUDA 12.8-12.9's
     with a failure index."""
 
-    def __init__(self, fn, fail_index: bool) -> None:
+    def __init__(self, fn: Any, fail_index: bool) -> None:  # fn: a ctypes function of the runtime
         self.fn = fn
         self.failed_at = ctypes.c_size_t(0)
         self.fail = [ctypes.byref(self.failed_at)] if fail_index else []
@@ -173,7 +182,9 @@ class _BatchCopy:
         self.attrs = ctypes.byref(self.attributes)  # one set for every copy
         self.attr_index = (ctypes.c_size_t * 1)(0)
 
-    def __call__(self, src: Rows, dst: Rows, rows, into, handle: ctypes.c_void_p) -> int:
+    def __call__(
+        self, src: Rows, dst: Rows, rows: Indices, into: Indices, handle: ctypes.c_void_p
+    ) -> int:
         # plain ints and ctypes arrays: a handful of numpy calls would cost more on this path
         rows, into = [int(r) for r in rows], [int(i) for i in into]  # [N]
         (s13, s2), (d13, d2), (z13, z2) = src.base, dst.base, src.size

@@ -24,6 +24,7 @@ import torch
 
 from oled.clib import Library, NativeUnavailable
 from oled.offload.copies import (
+    RuntimeFunction,
     batching,
     check,
     runtime_entry,
@@ -35,6 +36,7 @@ from oled.policies import native
 
 if TYPE_CHECKING:
     from oled.offload.engine import OffloadEngine
+    from oled.policies.native import CompiledPlan
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -113,7 +115,7 @@ class LayerDriver:
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = e = engine
         self.lib = library()
-        self.plan = e.planner.native
+        self.plan: CompiledPlan = _compiled(e)
         L, E = e.store.num_layers, e.num_experts
         self.counts = np.zeros((L, len(COUNTS.entries)), np.float64)  # [L, metrics' FIELDS]
         self.events = (ctypes.c_void_p * EVENTS)()
@@ -128,10 +130,10 @@ class LayerDriver:
         self.use_batches(batching())
         self.ref = ctypes.byref(d)
         self.calls: dict[tuple[int, int], tuple[Any, np.ndarray, object]] = {}
-        self._sync = runtime_function("cudaEventSynchronize", _p)
-        self._wait = runtime_function("cudaStreamWaitEvent", _p, _p, ctypes.c_uint)
+        self._sync = _runtime("cudaEventSynchronize", _p)
+        self._wait = _runtime("cudaStreamWaitEvent", _p, _p, ctypes.c_uint)
         # the pool's events go with the driver, or at exit while the runtime is still loaded
-        weakref.finalize(self, _destroy, self.events, runtime_function("cudaEventDestroy", _p))
+        weakref.finalize(self, _destroy, self.events, _runtime("cudaEventDestroy", _p))
         self._stream = 0
         self._layer = self.lib.oled_layer
         self.launched = 0  # layer calls launched from C
@@ -140,6 +142,7 @@ class LayerDriver:
         """The Drive over the runtime's entry points, the engine's streams, stage and slot maps,
         the plan's buffers and the driver's own."""
         e, plan = self.engine, self.plan
+        assert e.copy_stream is not None  # `unavailable`: the driver is made on CUDA only
         return Drive(
             memcpy_async=runtime_entry("cudaMemcpyAsync"),
             record=runtime_entry("cudaEventRecord"),
@@ -192,7 +195,9 @@ class LayerDriver:
         for table, address in zip(self._tables, (*src, *cache), strict=True):
             table[layer] = address
 
-    def run(self, layer: int, stream: torch.cuda.Stream, ids: np.ndarray, weights: np.ndarray):
+    def run(
+        self, layer: int, stream: torch.cuda.Stream, ids: np.ndarray, weights: np.ndarray
+    ) -> int:
         """Plan the layer's static call (routing ids, weights [T, K], also in the engine's
         pinned buffers, which drive.c reads) and launch it on `stream`: 1 when launched, 0
         when only planned (the engine launches; the plan is in `self.plan.unpack`)."""
@@ -235,14 +240,14 @@ class LayerDriver:
         entry = self.calls[(layer, tokens)] = (call, execs, ctypes.byref(call))
         return entry
 
-    def learn(self, key: tuple, graph: torch.cuda.CUDAGraph) -> None:
+    def learn(self, key: tuple[int, int, int], graph: torch.cuda.CUDAGraph) -> None:
         """A pass graph of key (layer, tokens, row) captured by the engine's Python path."""
         layer, tokens, row = key
         entry = self.calls.get((layer, tokens)) or self._call(layer, tokens)
         if row < len(entry[1]):
             entry[1][row] = graph.raw_cuda_graph_exec()
 
-    def forget(self, key: tuple) -> None:
+    def forget(self, key: tuple[int, int, int | str]) -> None:
         """The graph of key (layer, tokens, row) is gone."""
         entry = self.calls.get(key[:2])
         if entry is not None and isinstance(key[2], int) and key[2] < len(entry[1]):
@@ -290,14 +295,30 @@ class LayerDriver:
 class RawEvent:
     """A runtime event recorded from C, waited for by the host."""
 
-    def __init__(self, handle: int, sync) -> None:
+    def __init__(self, handle: int, sync: RuntimeFunction) -> None:
         self.handle, self._sync = handle, sync
 
     def synchronize(self) -> None:
         check(self._sync(self.handle), "cudaEventSynchronize")
 
 
-def _destroy(events, destroy) -> None:
+def _compiled(engine: OffloadEngine) -> CompiledPlan:
+    """The engine's compiled plan, which drive.c plans with."""
+    if engine.planner.native is None:
+        raise RuntimeError("layer calls launch from C only for a planner that runs compiled")
+    return engine.planner.native
+
+
+def _runtime(name: str, *argtypes: type) -> RuntimeFunction:
+    """The CUDA runtime's function `name` (`unsupported` has found every one the driver
+    calls)."""
+    fn = runtime_function(name, *argtypes)
+    if fn is None:
+        raise RuntimeError(f"the CUDA runtime lacks {name}")
+    return fn
+
+
+def _destroy(events: Any, destroy: RuntimeFunction) -> None:  # events: a ctypes array
     for event in events:
         if event:
             destroy(event)  # its answer ignored: nothing to do about a failure here

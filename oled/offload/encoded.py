@@ -30,7 +30,7 @@ from oled import kernels
 from oled.model import codec
 from oled.model.experts import ExpertStore
 from oled.offload.budget import host_available
-from oled.offload.copies import Rows, launch, transfer
+from oled.offload.copies import Indices, Rows, launch, transfer
 from oled.progress import track
 
 LANDING = 16  # experts per landing round
@@ -94,9 +94,10 @@ class EncodedCopies:
         """The decoder over part `part`'s descriptor buffer as a CUDA graph (compiled and run
         once on an empty list first)."""
         from oled.kernels.codec import decode_listed
+        from oled.kernels.codec_format import CHUNK
 
         tag = codec.TAGS[self.codec]
-        chunks = -(-max(self.n) // codec.CHUNK)
+        chunks = -(-max(self.n) // CHUNK)
 
         def run() -> None:
             decode_listed(tag, self.desc[part], self.land13, 2 * LANDING, chunks)
@@ -114,6 +115,8 @@ class EncodedCopies:
     def drive_fields(self) -> dict[str, object]:
         """drive.c's fields for launching these copies from C (oled.offload.driver.Drive; the
         arrays they point to, made on the first call, live as long as this object)."""
+        if self.stream is None:
+            raise RuntimeError("encoded copies launch from C only on CUDA")
         if self._drive is None:  # each part's graph; its events [2, PARTS]: landed, decoded
             self._drive = (
                 np.array([g.raw_cuda_graph_exec() for g in self.graphs], np.int64),
@@ -135,24 +138,33 @@ class EncodedCopies:
         }
 
     def launch(
-        self, layer: int, experts, slots, dst: Rows, stream: torch.cuda.Stream | None
+        self,
+        layer: int,
+        experts: Indices,
+        slots: Indices,
+        dst: Rows,
+        stream: torch.cuda.Stream | None,
     ) -> None:
         """Copy the layer's `experts` into rows `slots` of `dst` (bf16 tables): landed on
         `stream` and decoded on the decoder's (`self.stream`: complete there), or at once on the
         CPU (`stream` None)."""
-        experts, slots = np.asarray(experts, np.int64), np.asarray(slots, np.int64)
-        for lo in range(0, len(experts), LANDING):
-            part, into = experts[lo : lo + LANDING], slots[lo : lo + LANDING]
+        ids, rows = np.asarray(experts, np.int64), np.asarray(slots, np.int64)
+        for lo in range(0, len(ids), LANDING):
+            part, into = ids[lo : lo + LANDING], rows[lo : lo + LANDING]
             if stream is None:
                 launch(self.rows[layer], self.landing, part, np.arange(len(part)), None)
                 self._decode_here(into, dst)
             else:
                 self._round(layer, stream, part, into, dst)
 
-    def _round(self, layer: int, copy: torch.cuda.Stream, experts, slots, dst: Rows) -> None:
+    def _round(
+        self, layer: int, copy: torch.cuda.Stream, experts: np.ndarray, slots: np.ndarray, dst: Rows
+    ) -> None:
         """One landing round: on `copy`, wait until the part's last decode is done, send the
         descriptor for rows `slots` of `dst`, land the encoded `experts`; on the decoder's
         stream, decode once they have landed."""
+        decoder = self.stream
+        assert decoder is not None  # a copy stream means CUDA, where the decoder has its own
         if self.used[0] >= RING:  # every earlier descriptor has been read once this returns
             copy.synchronize()
             self.used[0] = 0
@@ -165,10 +177,10 @@ class EncodedCopies:
         transfer(self.desc[p, : 1 + 4 * k], self.ring[i, : 1 + 4 * k], copy)
         launch(self.rows[layer], self.landing, experts, p * LANDING + np.arange(k), copy)
         self.landed[p].record(copy)
-        self.stream.wait_event(self.landed[p])
-        with torch.cuda.stream(self.stream):
+        decoder.wait_event(self.landed[p])
+        with torch.cuda.stream(decoder):
             self.graphs[p].replay()
-        self.decoded[p].record(self.stream)
+        self.decoded[p].record(decoder)
 
     def _descriptor(self, part: int, slots: np.ndarray, dst: Rows) -> np.ndarray:
         """The decoder's list [1 + 4k] for part `part`'s first k landed rows -> rows `slots`
@@ -215,7 +227,7 @@ def _encode_store(
     what = f"experts ({codec.describe(codec_name)})"
     layers, tables = range(store.num_layers), (store.w13, store.w2)
     # the exponent counts [E, 256] of every layer's tables (lossless), counted once
-    counts = [[None, None] for _ in layers]
+    counts: list[list[Tensor | None]] = [[None, None] for _ in layers]
     if codec_name == "lossless":
         for layer in track(layers, f"counting {what}", show=progress):
             for t in (0, 1):
@@ -234,7 +246,8 @@ def _encode_store(
             host = torch.zeros(store.num_experts, sizes[t], dtype=torch.uint8, pin_memory=pin)
             for lo in range(0, store.num_experts, GROUP):
                 part = tables[t][layer][lo : lo + GROUP].to(work, non_blocking=True)
-                known = None if counts[layer][t] is None else counts[layer][t][lo : lo + GROUP]
+                c = counts[layer][t]
+                known = None if c is None else c[lo : lo + GROUP]
                 rows = codec.encode(part, codec_name, counts=known, size=sizes[t], group=GROUP)
                 host[lo : lo + GROUP].copy_(rows)  # straight into the pinned table
             out[t].append(host)

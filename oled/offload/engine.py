@@ -20,7 +20,7 @@ runtime calls in the same order; the Python path is the reference and captures t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,8 +37,8 @@ from oled.model.experts import ExpertStore, combine, expert_pairs, expert_rows
 from oled.model.graphs import Graphs
 from oled.model.model import MoERequest
 from oled.model.stages import annotating, stage
-from oled.offload.copies import Rows, launch, transfer
-from oled.offload.driver import LayerDriver, unavailable
+from oled.offload.copies import Indices, Rows, launch, transfer
+from oled.offload.driver import LayerDriver, RawEvent, unavailable
 from oled.offload.encoded import EncodedCopies
 from oled.offload.launches import Launcher, launch_inputs, launch_passes, timed_copies
 from oled.offload.metrics import INDEX, EngineMetrics
@@ -106,7 +106,8 @@ class OffloadEngine(DecodeObserver):
         self._stage_free: torch.cuda.Event | None = None
         self.metrics = EngineMetrics(layers)
         self._routing: list[tuple[np.ndarray, np.ndarray] | None] = [None] * layers
-        self._events: list[tuple[int, torch.cuda.Event, ...]] = []
+        # timed event pairs: (layer, start, end, whether a copy's or a stall's)
+        self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event, bool]] = []
         self._timing = _EventPool()
         self._compute: torch.cuda.Stream | None = None  # the current layer call's stream
         self._routing_host: dict[tuple[int, int], tuple[Tensor, ...]] = {}  # pinned, per shape
@@ -129,11 +130,11 @@ class OffloadEngine(DecodeObserver):
             return None
         return LayerDriver(self)
 
-    def _dropped(self, key) -> None:
-        if self.driver is not None:
+    def _dropped(self, key: Hashable) -> None:
+        if self.driver is not None and isinstance(key, tuple):  # keys: (layer, tokens, what)
             self.driver.forget(key)
 
-    def _table(self, rows: int, which: int, dtype) -> Tensor:
+    def _table(self, rows: int, which: int, dtype: torch.dtype) -> Tensor:
         return torch.empty((rows, *self._slot_shape[which]), dtype=dtype, device=self.device)
 
     def _prefill(self) -> None:
@@ -143,7 +144,7 @@ class OffloadEngine(DecodeObserver):
             if len(experts):
                 slots = cache.slot_of[experts].astype(np.int64)
                 self._launch_copies(layer, experts, slots, self.cache_rows[layer])
-        if self.cuda:
+        if self.finish_stream is not None:  # on CUDA
             torch.cuda.current_stream(self.device).wait_stream(self.finish_stream)
 
     # -- the hot path ---------------------------------------------------------------------------
@@ -198,6 +199,7 @@ class OffloadEngine(DecodeObserver):
         with stage("host decision"):
             plan = self._plan(layer, ids_np, w_np, into)
             if plan is None:  # planned and launched from C
+                assert into is not None  # only static calls launch from C
                 return self._driven(layer, r, ids_np, w_np, into, (t0, t1))
             t2 = time.perf_counter()
             call = _PythonLaunch(self, r, into, next_np)
@@ -206,14 +208,17 @@ class OffloadEngine(DecodeObserver):
         t4 = time.perf_counter()
         with stage("grouped GEMM"):
             if self.driver is not None and len(plan.stage_experts):
+                assert self.copy_stream is not None  # a driver means CUDA
                 self.driver.release_stage(self.copy_stream)  # the stage's users launched from C
             launch_passes(call, layer, plan, ready)  # into call.pairs [T, K, H] fp32
             self._stage_free = call.stage_free
         self._account(layer, plan, (t0, t1, t2, call.launched, t4, time.perf_counter()))
+        pairs = call.pairs
+        assert pairs is not None  # made or written by the hits' pass
         if cpu_job is not None:
             with stage("CPU experts"):
-                self._cpu_pairs(cpu_job, call.pairs, t2)
-        return call.pairs
+                self._cpu_pairs(cpu_job, pairs, t2)
+        return pairs
 
     def _plan(
         self, layer: int, ids_np: np.ndarray, w_np: np.ndarray, into: Tensor | None
@@ -227,9 +232,10 @@ class OffloadEngine(DecodeObserver):
         if self._stage_free is not None:  # C's launches wait for the stage's users
             self.driver.take_stage(self._stage_free)
             self._stage_free = None
+        assert self._compute is not None  # a driver means CUDA
         if self.driver.run(layer, self._compute, ids_np, w_np):
             return None
-        return self.planner.native.unpack(layer)  # a pass not captured yet
+        return self.driver.plan.unpack(layer)  # a pass not captured yet
 
     def _driven(
         self,
@@ -243,9 +249,11 @@ class OffloadEngine(DecodeObserver):
         """After a call launched from C: the host's part (CPU experts) and the host timings;
         the pairs in `into`."""
         t0, t1 = stamps
-        job, ready = None, self.driver.cpu_ready()
+        driver = self.driver
+        assert driver is not None  # it launched the call
+        job, ready = None, driver.cpu_ready()
         if ready is not None:  # CPU experts: their activations are on the way
-            plan = self.planner.native.unpack(layer)
+            plan = driver.plan.unpack(layer)
             job = self._cpu_job(layer, self.pinned_activations(r.x), ids_np, w_np, plan, ready)
         t5 = time.perf_counter()
         self.metrics.add(layer, sync_ms=1000 * (t1 - t0), host_ms=1000 * (t5 - t1))
@@ -279,9 +287,11 @@ class OffloadEngine(DecodeObserver):
                 torch.empty(a.shape, dtype=a.dtype, pin_memory=True) for a in sources
             )
         buffers = self._routing_host[key]  # (tokens, 2): pinned_routing's
+        compute = self._compute
+        assert compute is not None  # _layer's stream on CUDA
         for host, dev in zip(buffers, sources, strict=True):
-            transfer(host, dev, self._compute)
-        self._compute.synchronize()
+            transfer(host, dev, compute)
+        compute.synchronize()
         return [host.numpy().copy() for host in buffers]
 
     def pinned_routing(self, tokens: int) -> tuple[Tensor, Tensor]:
@@ -293,7 +303,8 @@ class OffloadEngine(DecodeObserver):
                 torch.empty(tokens, k, dtype=torch.long, pin_memory=True),
                 torch.empty(tokens, k, dtype=torch.float32, pin_memory=True),
             )
-        return self._routing_host[key]
+        ids, weights = self._routing_host[key]
+        return ids, weights
 
     def _predict(self, r: MoERequest, static: bool) -> Tensor | np.ndarray | None:
         """The next layer's predicted ids [T, K] int64 on the device, queued before the sync;
@@ -301,20 +312,21 @@ class OffloadEngine(DecodeObserver):
         (oled.policies.planner.CopyAhead); on the host when the predictor has it there. In the
         static path the prediction replays as a CUDA graph from its second call (the first
         loads the router's kernels)."""
-        if self.predict is None or r.layer + 1 >= len(self.w13):
+        predict, graphs = self.predict, self.graphs
+        if predict is None or r.layer + 1 >= len(self.w13):
             return None
         if not self.planner.predicts(r.layer + 1):
             return None
-        if getattr(self.predict, "on_host", False):  # already known (RecordedRouting)
-            return self.predict(r.layer, r.x)
-        if not static or self.graphs is None:
-            return self.predict(r.layer, r.x).to(torch.long)
+        if getattr(predict, "on_host", False):  # already known (RecordedRouting)
+            return predict(r.layer, r.x)
+        if not static or graphs is None:
+            return _on_device(predict(r.layer, r.x)).to(torch.long)
         key = (r.layer, r.x.shape[0])
         out = self._predicted.get(key)
         if out is None:
-            out = self._predicted[key] = self.predict(r.layer, r.x).to(torch.long)
+            out = self._predicted[key] = _on_device(predict(r.layer, r.x)).to(torch.long)
             return out
-        self.graphs.run((*key, "predict"), lambda: out.copy_(self.predict(r.layer, r.x)))
+        graphs.run((*key, "predict"), lambda: out.copy_(_on_device(predict(r.layer, r.x))))
         return out
 
     def _pass(
@@ -339,10 +351,12 @@ class OffloadEngine(DecodeObserver):
 
         if not static:
             return compute()
+        graphs = self.graphs
+        assert graphs is not None and into is not None  # static: graphs and the static pairs
         key = (r.layer, r.x.shape[0], row)
-        self.graphs.run(key, compute)
+        graphs.run(key, compute)
         if self.driver is not None:  # launches from C replay it from now on
-            self.driver.learn(key, self.graphs.graphs[key])
+            self.driver.learn(key, graphs.graphs[key])
         return into
 
     def _copy_ahead(self, rt: Launcher, layer: int, predicted: np.ndarray) -> None:
@@ -356,7 +370,7 @@ class OffloadEngine(DecodeObserver):
         n = len(experts)
         self.metrics.add(layer, copies=n, copy_bytes=n * self.expert_bytes, predicted=n)
 
-    def _launch_copies(self, layer: int, experts, slots, rows: Rows) -> None:
+    def _launch_copies(self, layer: int, experts: Indices, slots: Indices, rows: Rows) -> None:
         """One copy per tensor of each expert, host (pinned) -> slot rows of `rows` (a w13
         table and its w2 table), on the copy stream (oled.offload.copies)."""
         with stage("copies"):
@@ -365,7 +379,15 @@ class OffloadEngine(DecodeObserver):
             else:
                 launch(self.src_rows[layer], rows, experts, slots, self.copy_stream)
 
-    def _cpu_job(self, layer, x_host, ids_np, w_np, plan, copied) -> CpuJob | None:
+    def _cpu_job(
+        self,
+        layer: int,
+        x_host: Tensor,
+        ids_np: np.ndarray,
+        w_np: np.ndarray,
+        plan: LayerPlan,
+        copied: torch.cuda.Event | RawEvent | None,
+    ) -> CpuJob | None:
         """This layer's CPU experts over activations `x_host` [T, H]: on their way to pinned host
         memory (sent by launch_inputs or from C) until the `copied` event, or on the CPU the
         layer's x itself (`copied` None)."""
@@ -468,7 +490,7 @@ class OffloadEngine(DecodeObserver):
         """Give a layer a slot table of the new capacity, moving the kept experts over (the
         layer's graphs, which hold the old table's address, are dropped)."""
         if self.graphs is not None:
-            self.graphs.drop(keep=lambda key: key[0] != r.layer)
+            self.graphs.drop(keep=lambda key: not (isinstance(key, tuple) and key[0] == r.layer))
         for tables, which in ((self.w13, 0), (self.w2, 1)):
             old = tables[r.layer]
             new = self._table(r.capacity, which, old.dtype)
@@ -481,19 +503,22 @@ class OffloadEngine(DecodeObserver):
             self.driver.bind_tables(r.layer)
 
     def _collect_events(self) -> None:
-        driven = self.driver is not None and self.driver.pending
+        driver = self.driver
+        driven = driver is not None and driver.pending
         if not self._events and not driven:  # any recorded were CPU jobs', waited for already
             self._timing.recycle()
             return
+        copy, finish = self.copy_stream, self.finish_stream
+        assert copy is not None and finish is not None  # events are recorded on CUDA only
         torch.cuda.current_stream(self.device).synchronize()
-        self.copy_stream.synchronize()
-        if self.finish_stream is not self.copy_stream:  # the decoder's (encoded copies)
-            self.finish_stream.synchronize()
-        if driven:
-            self.driver.collect_events()
-        for layer, start, end, *kind in self._events:
+        copy.synchronize()
+        if finish is not copy:  # the decoder's (encoded copies)
+            finish.synchronize()
+        if driver is not None and driven:
+            driver.collect_events()
+        for layer, start, end, copied in self._events:
             ms = start.elapsed_time(end)
-            self.metrics.add(layer, **({"copy_ms": ms} if kind else {"stall_ms": ms}))
+            self.metrics.add(layer, **({"copy_ms": ms} if copied else {"stall_ms": ms}))
         self._events.clear()
         self._stage_free = None  # both streams are idle: the stage is free
         self._ahead = [None] * len(self._ahead)
@@ -540,17 +565,20 @@ class _PythonLaunch:
         self.x_host = r.x  # [T, H]; pinned once the activations are sent on CUDA
         self.launched = 0.0  # the clock once the copies (and the copies ahead) are issued
 
-    def record(self, stream) -> torch.cuda.Event | None:
+    def record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
         return self.engine._timing.record(stream)
 
-    def wait(self, stream, event) -> None:
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
 
-    def timed(self, layer: int, start, end, copy: bool) -> None:
+    def timed(
+        self, layer: int, start: torch.cuda.Event | None, end: torch.cuda.Event | None, copy: bool
+    ) -> None:
         if start is not None:  # read in on_iteration (without streams nothing is timed)
-            self.engine._events.append((layer, start, end, "copy") if copy else (layer, start, end))
+            assert end is not None  # recorded on streams as well
+            self.engine._events.append((layer, start, end, copy))
 
-    def copy_rows(self, layer: int, experts, slots, stage: bool) -> None:
+    def copy_rows(self, layer: int, experts: np.ndarray, slots: np.ndarray, stage: bool) -> None:
         e = self.engine
         e._launch_copies(layer, experts, slots, e.stage_rows if stage else e.cache_rows[layer])
 
@@ -574,6 +602,7 @@ class _PythonLaunch:
     def run_pass(self, row: int) -> None:
         e, layer = self.engine, self.r.layer
         tables = (e.stage_w13, e.stage_w2) if row >= STAGED else (e.w13[layer], e.w2[layer])
+        assert self.maps is not None  # send_maps comes first
         self.pairs = e._pass(self.r, row, self.maps, tables, self.pairs, self.static)
 
 
@@ -587,7 +616,7 @@ class CpuJob:
     x: Tensor
     slots: Tensor
     weights: Tensor
-    copied: torch.cuda.Event | None
+    copied: torch.cuda.Event | RawEvent | None
     tokens: np.ndarray
 
 
@@ -599,7 +628,7 @@ class _EventPool:
         self._free: list[torch.cuda.Event] = []
         self._used: list[torch.cuda.Event] = []
 
-    def record(self, stream) -> torch.cuda.Event | None:
+    def record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
         """An event recorded on `stream` (None without a stream)."""
         if stream is None:
             return None
@@ -612,6 +641,12 @@ class _EventPool:
         """Make every recorded event reusable (only after both streams are synchronised)."""
         self._free += self._used
         self._used.clear()
+
+
+def _on_device(ids: Tensor | np.ndarray) -> Tensor:
+    """A prediction of a predictor not `on_host`: a tensor on the device."""
+    assert isinstance(ids, Tensor)
+    return ids
 
 
 def batch_context(info: BatchIterationInfo) -> StepContext:

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from oled.decoding.observers import DecodeObserver
-from oled.model.model import LLaDA2Model
+from oled.model.model import DecoderLayer, LLaDA2Model
 
 if TYPE_CHECKING:  # a trace is read, never made, here (oled.trace sits above oled.offload)
     from oled.trace.format import Trace
@@ -32,8 +32,7 @@ class NextLayerRouting:
 
     def __init__(self, model: LLaDA2Model) -> None:
         first = model.config.first_k_dense_replace
-        layers = model.model.layers[first:]
-        norms = [layer.post_attention_layernorm.weight for layer in layers]  # [H] each
+        norms = [_post_norm(layer) for layer in model.model.layers[first:]]  # [H] each
         self.routers = [block.gate for block in model.moe_blocks]
         self.rescale = [_ratio(a, b) for a, b in zip(norms[:-1], norms[1:], strict=True)]
 
@@ -78,6 +77,12 @@ class RecordedRouting(DecodeObserver):
                 "traced generation"
             )
         return t.ids[layer + 1, a:b].astype(np.int64)  # [T, K]
+
+
+def _post_norm(layer: nn.Module) -> Tensor:
+    """The weight [H] of a decoder layer's norm before its MLP (the MoE's router input)."""
+    assert isinstance(layer, DecoderLayer)  # a model's layers are all DecoderLayers
+    return layer.post_attention_layernorm.weight
 
 
 def _ratio(w: Tensor, w_next: Tensor) -> Tensor | None:

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
     from oled.policies.base import AllocationPolicy, CompensationPolicy, RetentionPolicy
+
+
+class Policies(TypedDict):
+    """A planner's three policies, each under the keyword that takes it."""
+
+    allocation: AllocationPolicy
+    retention: RetentionPolicy
+    compensation: CompensationPolicy
 
 
 def with_oled_defaults(
@@ -13,7 +21,7 @@ def with_oled_defaults(
     allocation: AllocationPolicy | None = None,
     retention: RetentionPolicy | None = None,
     compensation: CompensationPolicy | None = None,
-) -> dict:
+) -> Policies:
     """The given policies, OLED's own (adaptive, confidence, cooperative) where one is None."""
     from oled.policies.allocation import AdaptiveAllocation
     from oled.policies.compensation import CooperativeCompensation

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import ClassVar
+from typing import ClassVar, overload
 
 import numpy as np
 
@@ -87,6 +87,10 @@ class CostModel:
     expert_bytes: int
     layer_ms: float = 0.0  # non-expert work per MoE layer (attention, router, host sync)
 
+    @overload
+    def copy_ms(self, n_experts: int) -> float: ...
+    @overload
+    def copy_ms(self, n_experts: np.ndarray) -> float | np.ndarray: ...
     def copy_ms(self, n_experts: int | np.ndarray) -> float | np.ndarray:
         """Time to copy n experts host->GPU back to back (0 for none)."""
         if isinstance(n_experts, int):  # the planners' hot path: no array round trip
@@ -97,12 +101,20 @@ class CostModel:
         out = np.where(n > 0, self.copy_fixed_ms + self.copy_ms_per_expert * n, 0.0)
         return float(out) if out.ndim == 0 else out
 
+    @overload
+    def cpu_ms(self, n_tokens: int) -> float: ...
+    @overload
+    def cpu_ms(self, n_tokens: np.ndarray) -> float | np.ndarray: ...
     def cpu_ms(self, n_tokens: int | np.ndarray) -> float | np.ndarray:
         """Time to run ONE expert on the CPU over n tokens (elementwise for arrays)."""
         n = np.asarray(n_tokens, dtype=np.float64)
         out = np.where(n > 0, self.cpu_fixed_ms + self.cpu_ms_per_token * n, 0.0)
         return float(out) if out.ndim == 0 else out
 
+    @overload
+    def gpu_ms(self, n_distinct_experts: int) -> float: ...
+    @overload
+    def gpu_ms(self, n_distinct_experts: np.ndarray) -> float | np.ndarray: ...
     def gpu_ms(self, n_distinct_experts: int | np.ndarray) -> float | np.ndarray:
         """Time of one grouped GEMM over n distinct cached experts (0 for none)."""
         n = np.asarray(n_distinct_experts, dtype=np.float64)
