@@ -115,3 +115,30 @@ def test_the_compiled_planner_points_at_the_state_and_resizes_stay_in_it() -> No
         assert np.shares_memory(cache.slot_of, p.state.slot_of)
     assert list(p.state.capacity) == p.capacities
     assert p.stats.plans.tolist() == [24] * L
+
+
+@pytest.mark.parametrize(
+    ("retention", "compensation"),
+    [
+        (R.LFURetention(decay=0.9, per_token=True), C.BatchThreshold(min_tokens=3)),
+        (R.ScoreEMARetention(alpha=0.6), C.IntervalRefresh(interval=3, min_tokens=2)),
+        (R.ConfidenceRetention(now_weight=0.7), C.CooperativeCompensation(horizon=2)),
+        (R.LRURetention(), C.StaticHot(learn_blocks=2)),
+    ],
+)
+def test_each_kinds_parameters_reach_its_block_of_the_bind(retention, compensation) -> None:
+    """A built-in policy's `compiled_as` names the attributes plan.c reads; the compiled
+    planner copies each into the policy's own block of the Bind, by name."""
+    p = planner(retention, compensation, compiled=True)
+    for policy in (retention, compensation):
+        kind = type(policy).compiled_as
+        for name in kind.params:
+            block = getattr(p.native.bind, kind.c_name)
+            assert getattr(block, name) == getattr(policy, name), (kind.c_name, name)
+    assert p.native.bind.ret_kind == type(retention).compiled_as.value
+    assert p.native.bind.comp_kind == type(compensation).compiled_as.value
+
+
+def test_a_fractional_whole_number_parameter_plans_in_python() -> None:
+    p = planner(R.LRURetention(), C.IntervalRefresh(interval=2.5))
+    assert not p.compiled
