@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from oled.clib import Field, Part, Struct, Table
+from oled.clib import Field, Part, Struct, Table, address
 
 COUNTERS = Table.of(
     "counters",
@@ -224,7 +224,7 @@ class PlanState:
 
     def addresses(self) -> dict[str, int]:
         """Each array's data address (what `BIND`'s pointer fields hold)."""
-        return {k: int(a.__array_interface__["data"][0]) for k, a in self.arrays.items()}
+        return {k: address(a) for k, a in self.arrays.items()}
 
 
 class InState:
