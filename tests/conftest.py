@@ -33,6 +33,28 @@ def tiny_single_dir(tmp_path_factory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def mask_wins_dir(tmp_path_factory) -> Path:
+    """A tiny checkpoint whose top prediction everywhere is the mask token itself: every word
+    embedding carries +1000 in dimension 0, which survives to the final norm, and the mask's
+    lm_head row reads only that dimension."""
+    from safetensors.torch import load_file, save_file
+
+    from oled.model.tokenizer import Tokenizer
+
+    path = init_checkpoint(
+        tmp_path_factory.mktemp("maskwins"), preset="tiny", seed=0, shard_bytes=None
+    )
+    mask = Tokenizer.from_dir(path).mask_id
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.word_embeddings.weight"][:, 0] += 1000
+    tensors["lm_head.weight"][mask] = 0
+    tensors["lm_head.weight"][mask, 0] = 100
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     """Every test starts from the same global random state, whichever tests ran before it."""

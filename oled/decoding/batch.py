@@ -27,6 +27,7 @@ from oled.decoding.decoder import (
     block_answer,
     layout,
     masked_sequence,
+    open_positions,
 )
 from oled.decoding.observers import BatchIterationInfo, BlockInfo, DecodeObserver, IterationInfo
 from oled.model.graphs import EagerForward
@@ -161,7 +162,9 @@ class BatchDecoder:
         with stage("decode step"):
             blocks = logits.split(bl)  # per stream [L, V]
             commits = [self._commit(s, lg) for s, lg in zip(self.active, blocks, strict=True)]
-            still = torch.stack([s.seq[0, s.start : s.end] == self.mask_id for s in self.active])
+            still = torch.stack(
+                [s.masked & ~c for s, (c, _) in zip(self.active, commits, strict=True)]
+            )
             open_ = still.any(dim=1).tolist()  # the step's one host sync
         seconds = time.perf_counter() - t0
         for s in self.active:
@@ -214,12 +217,16 @@ class BatchDecoder:
                 self._emit("on_generation_start", len(s.prompt))
             s.slot = min(set(range(self.max_batch)) - {a.slot for a in self.active})
             self._reserve(s.seq.shape[1])
-            s.masked = s.seq[0, s.start : s.end] == self.mask_id
+            s.masked = self._open(s)
             self.active.append(s)
             self.blocks_begun += 1
         if self.running and not self.busy:
             self._end()
         return events
+
+    def _open(self, s: Stream) -> Tensor:
+        """[L] bool: the open positions of stream `s`'s new block."""
+        return open_positions(s.start, s.end, len(s.prompt), self.device)
 
     def _reserve(self, positions: int) -> None:
         """A cache with a slot per stream and room for `positions`; grown (the active
@@ -294,7 +301,7 @@ class BatchDecoder:
         if stop_at is not None or len(s.generated) >= cfg.max_new_tokens:
             return self._leave(s, "stop" if stop_at is not None else "length", info)
         s.block, s.iteration = s.block + 1, 0
-        s.masked = s.seq[0, s.start : s.end] == self.mask_id
+        s.masked = self._open(s)
         self.blocks_begun += 1
         return StreamEvent(s, info, False)
 

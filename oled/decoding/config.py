@@ -24,7 +24,8 @@ class DecodeConfig:
     def at_least(self, iteration: int) -> int:
         """The fewest positions iteration `iteration` of a block commits: 1, or with `steps`
         the schedule of LLaDA2's generate (block_length / steps each, the remainder one more
-        in the first iterations; it sums to block_length, so a block ends within `steps`)."""
+        in the first iterations; it sums to block_length, and open positions are tracked apart
+        from their tokens, so a block ends within `steps`)."""
         if self.steps is None:
             return 1
         base, extra = divmod(self.block_length, self.steps)

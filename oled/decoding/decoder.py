@@ -4,7 +4,9 @@ The answer is decoded in blocks of `block_length` absolute positions. Each itera
 whole block through the model over the cached prefix, takes the softmax max probability of every
 masked position as its confidence and commits every masked position whose confidence reaches
 the threshold (at least the most confident one; with `steps`, at least block_length / steps, as
-LLaDA2's own generate; with `strict_threshold`, strictly above it); nothing is remasked. A
+LLaDA2's own generate; with `strict_threshold`, strictly above it); nothing is remasked. Open
+positions are tracked apart from their tokens, so a committed mask id stays committed (as in
+LLaDA2's generate) and a block ends within `block_length` forwards, or `steps`. A
 finished block's keys and values enter the prefix cache during the next block's first forward
 (which therefore runs over the finished block and the new one), so cached decoding computes the
 same function as recomputing the whole sequence.
@@ -205,7 +207,7 @@ class BlockDecoder:
         """
         bl = cfg.block_length
         end = start + bl
-        masked = seq[0, start:end] == self.mask_id  # [L]
+        masked = open_positions(start, end, self.stats.prompt_tokens, seq.device)  # [L]
         open_ = bool(masked.any())
         it = 0
         follow = self._follow
@@ -231,7 +233,7 @@ class BlockDecoder:
                     followed += commit.sum()
                     tokens = forced
                 seq[0, start:end] = torch.where(commit, tokens, seq[0, start:end])
-                still = seq[0, start:end] == self.mask_id  # [L]
+                still = masked & ~commit  # [L]
             open_ = bool(still.any())  # the iteration's host sync
             seconds = time.perf_counter() - t0
             self.stats.iterations += 1
@@ -288,6 +290,13 @@ def layout(prompt_length: int, cfg: DecodeConfig, limit: int) -> tuple[int, int,
     if total > limit:
         raise ValueError(f"prompt + answer need {total} positions; the model allows {limit}")
     return first, n_blocks, total
+
+
+def open_positions(start: int, end: int, prompt_length: int, device: Device) -> Tensor:
+    """[end - start] bool: the positions of a new block that are still to decode (those past
+    the prompt). From here on a block's open positions are tracked apart from their tokens:
+    a position whose committed token is the mask id is not open again."""
+    return torch.arange(start, end, device=device) >= prompt_length
 
 
 def masked_sequence(prompt: Sequence[int], total: int, mask_id: int, device: Device) -> Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -238,3 +240,56 @@ def test_agreement_with_the_resident_model(rt):
     result = shifted((reference.tokens[0] + 1) % rt.config.vocab_size, 1e4)  # wins everywhere
     assert not result["tokens_equal"] and result["first_divergence"] is not None
     assert result["diverged_step"] == 0 and result["max_logit_diff"] >= 1e4 * 0.99
+
+
+class BlockWatch(DecodeObserver):
+    """Fails a generation whose block runs past `limit` forwards (instead of hanging)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.forwards, self.most = limit, 0, 0
+
+    def on_iteration(self, info) -> None:
+        self.forwards = info.iteration + 1
+        self.most = max(self.most, self.forwards)
+        if self.forwards > self.limit:
+            raise AssertionError(f"block {info.block} ran {self.forwards} forwards")
+
+    def on_batch_iteration(self, info) -> None:
+        for row in info.rows:
+            self.on_iteration(row)
+
+
+@pytest.mark.parametrize("steps", [None, 4])
+def test_a_committed_mask_id_ends_its_block(mask_wins_dir, steps):
+    """The model's top prediction is the mask token itself: it is committed like any token
+    (LLaDA2's generate keeps it) and every block ends within block_length forwards (steps)."""
+    rt = load_runtime(str(mask_wins_dir), device="cpu", dtype="float32")
+    cfg = DecodeConfig(max_new_tokens=70, threshold=0.95, steps=steps)
+    watch = BlockWatch(steps or cfg.block_length)
+    out = rt.generate("Hello there", decode=cfg, observers=[watch])
+    assert out.token_ids and set(out.token_ids) == {rt.tokenizer.mask_id}
+    assert out.stats.new_tokens == 70 and out.stats.stopped == "length"
+    assert 1 <= watch.most <= (steps or cfg.block_length)
+    dec = rt.batch_decoder(2)
+    dec.observers.append(watch)
+    for prompt in ("Hello there", "A"):
+        dec.add(rt.prompt_ids(prompt, chat=True), cfg)
+    finished = []
+    while dec.busy:
+        finished += [ev.stream for ev in dec.step() if ev.finished]
+    assert [s.stats.new_tokens for s in finished] == [70, 70]
+
+
+def test_generate_ends_on_a_model_that_predicts_the_mask(mask_wins_dir):
+    """`oled generate` as a user runs it, on the model whose top prediction is the mask id: it
+    ends with an empty answer (the mask id decodes to nothing) and its forwards stay within
+    one block_length per block."""
+    from typer.testing import CliRunner
+
+    from oled.cli import app
+
+    args = ["generate", "Hi", "--model", str(mask_wins_dir), "--max-tokens", "40"]
+    out = CliRunner().invoke(app, [*args, "--dtype", "float32", "--block-length", "8"])
+    assert out.exit_code == 0, out.output
+    forwards = re.search(r"40 tokens, (\d+) forwards", out.output)
+    assert forwards and int(forwards[1]) <= 8 * 6, out.output  # 6 blocks of 8 at most
