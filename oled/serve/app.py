@@ -7,8 +7,10 @@ import contextlib
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypedDict, TypeVar, cast
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,13 +27,14 @@ from oled.serve.metrics import Metrics
 
 MAX_BODY = 4 << 20
 POLL_S = 0.25
+KEEPALIVE_S = 5.0  # a stream silent this long gets a `: keep-alive` comment line
+KEEPALIVE = ": keep-alive\n\n"
+IGNORED_HEADER = "OLED-Ignored-Fields"
+IGNORED_SHOWN = 16  # ignored fields named in the warning and the header (the body has all)
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
 MODEL_ROUTE = "/v1/models/{model}"
 DONE = "data: [DONE]\n\n"
-VALIDATION_CODES = {
-    "extra_forbidden": "unknown_parameter",
-    "unsupported_parameter": "unsupported_parameter",
-}
+VALIDATION_CODES = {"unsupported_parameter": "unsupported_parameter"}
 M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("oled.serve")
 
@@ -51,13 +54,19 @@ def error_body(
 
 
 def error_response(
-    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    kind: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, param, code).model_dump(), status_code=status)
+    body = error_body(message, kind, param, code).model_dump()
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def error_of(err: RequestError) -> JSONResponse:
-    return error_response(err.status, err.message, err.kind, err.param, err.code)
+    return error_response(err.status, err.message, err.kind, err.param, err.code, err.headers)
 
 
 def sse(payload: BaseModel | dict | str) -> str:
@@ -122,8 +131,10 @@ class CatchErrors:
             await response(scope, receive, send)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body validated against `model`; RequestError (400/415/413) otherwise."""
+async def parse_body(request: Request, model: type[M]) -> tuple[M, list[str]]:
+    """The JSON body validated against `model` and the names of its top-level fields that
+    `model` does not know (ignored, with one warning line); RequestError (400/415/413)
+    otherwise."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise RequestError(415, "Content-Type must be application/json", code="bad_content_type")
@@ -138,9 +149,13 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise RequestError(400, "the body must be a JSON object", code="invalid_json")
     check_unicode(data)
     try:
-        return model.model_validate(data)
+        parsed = model.model_validate(data)
     except ValidationError as err:
         raise invalid(err) from None
+    ignored = sorted(key for key in data if key not in model.model_fields)
+    if ignored:
+        log.warning("%s: ignored unknown fields: %s", request.url.path, field_list(ignored))
+    return parsed, ignored
 
 
 def check_unicode(data: Any) -> None:
@@ -170,8 +185,7 @@ def invalid(err: ValidationError) -> RequestError:
     """The 400 for a body's first validation error, naming its field."""
     first = err.errors(include_url=False)[0]
     param = ".".join(str(x) for x in first["loc"]) or None
-    msg = "unrecognized parameter" if first["type"] == "extra_forbidden" else first["msg"]
-    message = f"{param}: {msg}" if param else msg
+    message = f"{param}: {first['msg']}" if param else first["msg"]
     code = VALIDATION_CODES.get(first["type"], "invalid_value")
     return RequestError(400, message, param=param, code=code)
 
@@ -187,8 +201,10 @@ class Server:
         default_max_tokens: int,
         max_tokens: int,
         api_key: str | None,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         self.engine = engine
+        self.keepalive_s = keepalive_s
         self.max_tokens = max_tokens
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
@@ -256,20 +272,27 @@ class Server:
             )
         return decode
 
-    async def events(self, job: Job, request: Request) -> AsyncGenerator[Event, None]:
-        """The job's events; cancels the generation when the client goes away. One pending
-        read of the queue lives across the polls (asyncio.wait does not cancel it on a
-        timeout; before Python 3.12 wait_for could drop an event that came as it timed out)."""
+    async def events(self, job: Job, request: Request) -> AsyncGenerator[Event | None, None]:
+        """The job's events, and None after each `keepalive_s` without one (the job waits in
+        the queue, or a block takes that long); cancels the generation when the client goes
+        away. One pending read of the queue lives across the polls (asyncio.wait does not
+        cancel it on a timeout; before Python 3.12 wait_for could drop an event that came as
+        it timed out)."""
         pending: asyncio.Future | None = None
+        last = time.monotonic()
         try:
             while not job.finished:
                 pending = pending or asyncio.ensure_future(job.next_event())
-                done, _ = await asyncio.wait({pending}, timeout=POLL_S)
+                done, _ = await asyncio.wait({pending}, timeout=min(POLL_S, self.keepalive_s))
                 if done:
                     event, pending = pending.result(), None
+                    last = time.monotonic()
                     yield event
                 elif await request.is_disconnected():
                     return
+                elif time.monotonic() - last >= self.keepalive_s:
+                    last = time.monotonic()
+                    yield None
         finally:
             if pending is not None:
                 pending.cancel()
@@ -337,28 +360,34 @@ def completion_prompt(server: Server, req: p.CompletionRequest) -> list[int]:
 
 async def chat_completions(server: Server, request: Request) -> Response:
     server.authorize(request)
-    req = await parse_body(request, p.ChatCompletionRequest)
+    req, ignored = await parse_body(request, p.ChatCompletionRequest)
     job = server.make_job(req, chat_prompt(server, req))
     meta = ResponseMeta(id=p.new_id("chatcmpl"), created=p.now(), model=server.model_name)
     if req.stream:
-        return streaming(chat_chunks(server, job, request, req, meta))
+        return streaming(chat_chunks(server, job, request, req, meta, ignored), ignored)
     text, end = await collect(server, job, request)
     if isinstance(end, Failed):
         return failure_response(end)
     choice = p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=finish(end))
-    body = p.ChatCompletion(**meta, choices=[choice], usage=usage(end), oled=end.stats)
-    return JSONResponse(body.model_dump())
+    stats = oled_object(end, ignored)
+    body = p.ChatCompletion(**meta, choices=[choice], usage=usage(end), oled=stats)
+    return JSONResponse(body.model_dump(), headers=ignored_header(ignored))
 
 
 async def chat_chunks(
-    server: Server, job: Job, request: Request, req: p.ChatCompletionRequest, meta: ResponseMeta
+    server: Server,
+    job: Job,
+    request: Request,
+    req: p.ChatCompletionRequest,
+    meta: ResponseMeta,
+    ignored: list[str],
 ) -> AsyncGenerator[str, None]:
     def chunk(delta: p.Delta, reason: p.FinishReason | None = None, **extra: Any) -> str:
         choice = p.ChunkChoice(delta=delta, finish_reason=reason)
         return sse(p.ChatCompletionChunk(**meta, choices=[choice], **extra))
 
     def end(done: Done) -> list[str]:
-        last = chunk(p.Delta(), finish(done), oled=done.stats)
+        last = chunk(p.Delta(), finish(done), oled=oled_object(done, ignored))
         if not req.include_usage:
             return [last]
         return [last, sse(p.ChatCompletionChunk(**meta, choices=[], usage=usage(done)))]
@@ -372,19 +401,20 @@ async def chat_chunks(
 
 async def completions(server: Server, request: Request) -> Response:
     server.authorize(request)
-    req = await parse_body(request, p.CompletionRequest)
+    req, ignored = await parse_body(request, p.CompletionRequest)
     ids = completion_prompt(server, req)
     echo = server.engine.require_ready().tokenizer.decode(ids) if req.echo else ""
     job = server.make_job(req, ids)
     meta = ResponseMeta(id=p.new_id("cmpl"), created=p.now(), model=server.model_name)
     if req.stream:
-        return streaming(text_chunks(server, job, request, req, meta, echo))
+        return streaming(text_chunks(server, job, request, req, meta, echo, ignored), ignored)
     text, end = await collect(server, job, request)
     if isinstance(end, Failed):
         return failure_response(end)
     choice = p.TextChoice(text=echo + text, finish_reason=finish(end))
-    body = p.Completion(**meta, choices=[choice], usage=usage(end), oled=end.stats)
-    return JSONResponse(body.model_dump())
+    stats = oled_object(end, ignored)
+    body = p.Completion(**meta, choices=[choice], usage=usage(end), oled=stats)
+    return JSONResponse(body.model_dump(), headers=ignored_header(ignored))
 
 
 async def text_chunks(
@@ -394,13 +424,14 @@ async def text_chunks(
     req: p.CompletionRequest,
     meta: ResponseMeta,
     echo: str,
+    ignored: list[str],
 ) -> AsyncGenerator[str, None]:
     def chunk(text: str, reason: p.FinishReason | None = None, **extra: Any) -> str:
         choice = p.TextChoice(text=text, finish_reason=reason)
         return sse(p.Completion(**meta, choices=[choice], **extra))
 
     def end(done: Done) -> list[str]:
-        last = chunk("", finish(done), oled=done.stats)
+        last = chunk("", finish(done), oled=oled_object(done, ignored))
         if not req.include_usage:
             return [last]
         return [last, sse(p.Completion(**meta, choices=[], usage=usage(done)))]
@@ -421,9 +452,12 @@ async def sse_lines(
     end: Callable[[Done], list[str]],
 ) -> AsyncGenerator[str, None]:
     """A stream's events as SSE lines: `piece(text)` per piece, then `end(done)`, else an error
-    event; then `[DONE]`."""
+    event; then `[DONE]`. A silence of `keepalive_s` gets a comment line (clients skip it)."""
     async with contextlib.aclosing(server.events(job, request)) as events:
         async for event in events:
+            if event is None:
+                yield KEEPALIVE
+                continue
             if isinstance(event, Piece):
                 yield piece(event.text)
                 continue
@@ -439,14 +473,33 @@ async def collect(server: Server, job: Job, request: Request) -> tuple[str, Done
         async for event in events:
             if isinstance(event, Piece):
                 parts.append(event.text)
-            else:
+            elif event is not None:  # None: a silence, which a JSON answer cannot fill
                 return "".join(parts), event
     return "".join(parts), Failed("the client went away")
 
 
-def streaming(chunks: AsyncIterator[str]) -> StreamingResponse:
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+def streaming(chunks: AsyncIterator[str], ignored: list[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | ignored_header(ignored)
     return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+
+
+def oled_object(done: Done, ignored: list[str]) -> dict[str, Any]:
+    """A response's `oled` object: the generation's figures and the request's ignored fields."""
+    return done.stats | {"ignored_fields": ignored}
+
+
+def ignored_header(ignored: list[str]) -> dict[str, str]:
+    """The response header that names the request's ignored fields (none when there are
+    none)."""
+    return {IGNORED_HEADER: field_list(ignored)} if ignored else {}
+
+
+def field_list(names: list[str]) -> str:
+    """The first IGNORED_SHOWN names, percent-encoded (`vendor_extra` stays as it is; a comma,
+    a line break or a non-ASCII letter cannot break a header or a log line), then `...` if
+    there are more."""
+    shown = [quote(name, safe="") for name in names[:IGNORED_SHOWN]]
+    return ", ".join(shown + ["..."] * (len(names) > IGNORED_SHOWN))
 
 
 def create_app(
@@ -456,14 +509,17 @@ def create_app(
     default_max_tokens: int = 256,
     max_tokens: int = 4096,
     api_key: str | None = None,
+    keepalive_s: float = KEEPALIVE_S,
 ) -> FastAPI:
-    """The ASGI app; starting it starts the engine (which loads the model in the background)."""
+    """The ASGI app; starting it starts the engine (which loads the model in the background).
+    A stream that sends nothing for `keepalive_s` seconds gets an SSE comment line."""
     server = Server(
         engine,
         model_name=model_name,
         default_max_tokens=default_max_tokens,
         max_tokens=max_tokens,
         api_key=api_key,
+        keepalive_s=keepalive_s,
     )
 
     @contextlib.asynccontextmanager

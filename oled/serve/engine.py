@@ -9,7 +9,8 @@ streams text `Piece`s per finished block and then one `Done` or `Failed` into ea
 queue. Setting `job.cancel` (a client went away, or a stop string ended the text) drops the
 generation from the batch at the next iteration. A forward that fails fails every job of the
 batch; later jobs get a fresh decoder. `Engine.close` (the server is shutting down) ends every
-open job at once with a 503 `Failed`.
+open job at once with a 503 `Failed`. At most `max_batch + max_queue` jobs are open at once: one
+more is refused with a 429 that says when to retry.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -48,6 +50,7 @@ class RequestError(Exception):
         kind: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = (
@@ -57,6 +60,7 @@ class RequestError(Exception):
             param,
             code,
         )
+        self.headers = headers or {}
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class Failed:
 
 
 SHUTTING_DOWN = "the server is shutting down"
+RETRY_AFTER_S = (1, 60)  # the bounds of a full queue's Retry-After, in whole seconds
 
 
 Event = Piece | Done | Failed
@@ -151,7 +156,8 @@ class BatchWatch(DecodeObserver):
 
 
 class Engine:
-    """Owns the runtime and the worker thread, which decodes up to `max_batch` jobs at once."""
+    """Owns the runtime and the worker thread, which decodes up to `max_batch` jobs at once
+    while up to `max_queue` more wait for a place in the batch."""
 
     def __init__(
         self,
@@ -159,11 +165,15 @@ class Engine:
         *,
         metrics: Metrics | None = None,
         max_batch: int = RUNTIME.max_batch,
+        max_queue: int = RUNTIME.max_queue,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, not {max_batch}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be at least 0, not {max_queue}")
         self._loader = loader
-        self.max_batch = max_batch
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self._generation_s = 0.0  # a moving average of a generation's decode seconds
         self.metrics = metrics or Metrics()
         self.runtime: Runtime | None = None
         self.state = "loading"  # "ready", "failed", "stopping"
@@ -184,12 +194,14 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 1.0) -> None:
+    def stop(self, timeout: float = 1.0) -> bool:
         """Let the worker finish (it is a daemon thread: a load that is still running does not
-        keep the process)."""
+        keep the process); whether it has (False: it is still inside the loader or a
+        forward)."""
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def close(self) -> None:
         """Refuse new requests and end every queued or running one with a 503 `Failed`."""
@@ -208,11 +220,28 @@ class Engine:
         raise RequestError(503, message, kind="service_unavailable", code="model_not_ready")
 
     def submit(self, job: Job) -> Job:
+        """Queue the job; a 429 with Retry-After when the batch and the queue are full."""
         with self._lock:
             self.require_ready()
+            if sum(not j.cancel.is_set() for j in self._live) >= self.max_batch + self.max_queue:
+                raise RequestError(
+                    429,
+                    f"the server is busy (the batch of {self.max_batch} and the queue of "
+                    f"{self.max_queue} are full); retry later",
+                    kind="rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": str(self.retry_after())},
+                )
             self._live.add(job)
         self._jobs.put(job)
         return job
+
+    def retry_after(self) -> int:
+        """Whole seconds until a place in the queue is likely to free: a generation's mean
+        decode time over the batch's places (one leaves about that often), within
+        RETRY_AFTER_S."""
+        low, high = RETRY_AFTER_S
+        return min(high, max(low, math.ceil(self._generation_s / self.max_batch)))
 
     def _end(self, job: Job, event: Done | Failed) -> None:
         """Send the job's last event, once (the worker and `close` may both try)."""
@@ -289,8 +318,10 @@ class Engine:
         return dec
 
     def _add(self, dec: BatchDecoder, job: Job) -> None:
-        """Queue the job in the decoder (it joins at the next step); a job it refuses fails."""
+        """Queue the job in the decoder (it joins at the next step); a job it refuses fails.
+        A joining job is when the threads follow the neighbours' load (at most every 10 s)."""
         assert self.runtime is not None
+        self.runtime.recheck_threads()
         run = Running(job, TextAssembler(self.runtime.tokenizer, job.stops))
         try:
             stream = dec.add(job.prompt_ids, job.decode, cancelled=job.cancel.is_set, tag=run)
@@ -350,6 +381,8 @@ class Engine:
         stats = stats_dict(self.runtime, stream.stats)
         finish = "stop" if run.text.stopped else stream.stats.stopped
         done = Done(finish, len(job.prompt_ids), run.text.token_count(), stats)
+        seconds = float(stats.get("seconds") or 0.0)
+        self._generation_s += (seconds - self._generation_s) * (0.2 if self._generation_s else 1)
         self.metrics.record_generation(
             stats | {"offload": self._watch.uncounted(stats["offload"])},
             finish=finish,

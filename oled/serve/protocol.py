@@ -1,9 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API, plus LLaDA2 extras.
 
-Every field is validated strictly, so that a wrong type or range is a 400, never a crash. A
-request's own fields are all known: each OpenAI parameter is honoured, ignored because it asks
-nothing of the output (`user`, `metadata`, ...), or `refused` unless it asks for nothing; an
-unknown one is a 400 too. Inside messages and `stream_options`, unknown fields are ignored.
+Every field is validated strictly, so that a wrong type or range is a 400, never a crash. Each
+OpenAI parameter of a request is honoured, ignored because it asks nothing of the output
+(`user`, `metadata`, ...), or `refused` unless it asks for nothing. A field the server does not
+know is ignored, as self-hosted servers do (oled.serve.app names it in a warning and in the
+response); inside messages and `stream_options`, unknown fields are ignored silently.
 """
 
 from __future__ import annotations
@@ -72,9 +73,9 @@ class StreamOptions(Lenient):
 
 
 class SamplingParams(BaseModel):
-    """Fields shared by both endpoints; unknown fields are refused."""
+    """Fields shared by both endpoints; unknown fields are left out (the app reports them)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)

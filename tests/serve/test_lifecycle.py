@@ -1,5 +1,6 @@
-"""Starting and stopping: `oled serve` on a machine without the device it asks for, and
-shutting down (SIGTERM to the command, or the server told to exit) with requests open."""
+"""Starting and stopping: `oled serve` on a machine without the device it asks for or on a port
+in use, Ctrl+C while the model loads, and shutting down (SIGTERM to the command, or the server
+told to exit) with requests open."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from oled.serve.app import create_app
 from oled.serve.engine import Engine
@@ -49,6 +52,47 @@ def test_serve_on_a_missing_cuda_device_fails_like_generate(tiny_dir, unused_por
     generated = oled("generate", "hi", "--model", str(tiny_dir), "--device", "cuda")
     assert generated.returncode == 2 and generated.stderr.count("\n") == 1, generated.stderr
     assert (served.returncode, served.stderr, served.stdout) == (2, generated.stderr, "")
+
+
+def test_serve_on_a_port_in_use_fails_with_one_line(tiny_dir):
+    """Exit code 2 and one line naming the host and the port, before anything loads (no
+    server log, no abort from a thread still loading the model)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        served = oled("serve", "--model", str(tiny_dir), "--port", str(port))
+    want = f"error: port {port} on 127.0.0.1 is already in use (--port picks another)\n"
+    assert (served.returncode, served.stderr, served.stdout) == (2, want, "")
+
+
+def test_ctrl_c_while_the_model_loads_exits_cleanly(tiny_dir, unused_port):
+    """The loading thread is inside torch: the process must end without the interpreter's
+    finalization aborting (`terminate called without an active exception`, status -6)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "CUDA_VISIBLE_DEVICES": ""}
+    url = f"http://127.0.0.1:{unused_port}"
+    cmd = [sys.executable, "-m", "oled.cli", "serve", "--model", str(tiny_dir)]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(unused_port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "startup complete" in line:
+                break
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        proc.wait(30)
+    finally:
+        proc.kill()
+    if health["status"] != "loading":
+        pytest.skip("the model loaded before Ctrl+C could reach the loading thread")
+    assert "terminate called" not in rest and proc.returncode == 0, (proc.returncode, rest)
 
 
 def read_stream(url: str, lines: list[str]) -> None:

@@ -1,7 +1,9 @@
-"""OpenAI parameters: each is honoured or refused with a 400 naming it; usage counts the
-returned text."""
+"""OpenAI parameters: each is honoured or refused with a 400 naming it; a field the server does
+not know is ignored and named in the response; usage counts the returned text."""
 
 from __future__ import annotations
+
+import logging
 
 import openai
 import pytest
@@ -40,12 +42,10 @@ REFUSED = [  # (route, extra body fields, param, code)
     (CHAT, {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_parameter"),
     (CHAT, {"store": True}, "store", "unsupported_parameter"),
     (CHAT, {"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
-    (CHAT, {"top_k": 5}, "top_k", "unknown_parameter"),
     (COMPLETIONS, {"logprobs": 1}, "logprobs", "unsupported_parameter"),
     (COMPLETIONS, {"logprobs": 6}, "logprobs", "invalid_value"),
     (COMPLETIONS, {"best_of": 2}, "best_of", "unsupported_parameter"),
     (COMPLETIONS, {"suffix": "The end."}, "suffix", "unsupported_parameter"),
-    (COMPLETIONS, {"top_logprobs": 2}, "top_logprobs", "unknown_parameter"),
 ]
 NEUTRAL = {  # values that ask for nothing the server lacks
     "top_p": 1,
@@ -89,6 +89,51 @@ def test_the_openai_client_sees_the_refusal(client):
             model=MODEL, messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=3
         )
     assert err.value.body["param"] == "logprobs" and "log probabilities" in err.value.message
+
+
+def test_unknown_fields_are_ignored_and_named(client, caplog):
+    """vLLM's and llama.cpp's way: the answer is the plain one; the response's `oled` object
+    and a header name what was ignored, and the server logs one warning line."""
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6)
+    assert plain.model_extra["oled"]["ignored_fields"] == []
+    extra = {"vendor_extra": 1, "top_k": 5}
+    with caplog.at_level(logging.WARNING, logger="oled.serve"):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=MESSAGES, max_tokens=6, extra_body=extra
+        )
+    out = raw.parse()
+    assert out.choices[0].message.content == plain.choices[0].message.content
+    assert out.model_extra["oled"]["ignored_fields"] == ["top_k", "vendor_extra"]
+    assert raw.headers["oled-ignored-fields"] == "top_k, vendor_extra"
+    [warning] = [r for r in caplog.records if "ignored" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
+    assert (
+        warning.getMessage() == "/v1/chat/completions: ignored unknown fields: top_k, vendor_extra"
+    )
+    stream = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=6, stream=True, extra_body={"vendor_extra": 1}
+    )
+    [last] = [c for c in stream if c.choices and c.choices[0].finish_reason]
+    assert last.model_extra["oled"]["ignored_fields"] == ["vendor_extra"]
+
+
+def test_ignored_field_names_cannot_break_the_header(http):
+    """Names with a comma, a line break or non-Latin letters are percent-encoded in the header
+    (and in the warning line) and given as they are in the body."""
+    names = ["a,b\r\nSet-Cookie: x=1", "名前"]
+    resp = http.post(CHAT, json=request(CHAT, **dict.fromkeys(names, 1)))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["oled"]["ignored_fields"] == sorted(names)
+    assert (
+        resp.headers["oled-ignored-fields"]
+        == "a%2Cb%0D%0ASet-Cookie%3A%20x%3D1, %E5%90%8D%E5%89%8D"
+    )
+    assert "set-cookie" not in resp.headers
+
+
+def test_known_parameters_stay_refused_beside_unknown_ones(http):
+    resp = http.post(CHAT, json=request(CHAT, vendor_extra=1, logprobs=True))
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "logprobs"
 
 
 def test_neutral_values_and_greedy_top_p_give_the_plain_answer(http):
