@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from oled.threads import wait_policy
+
 PACKAGES = (
     "oled-moe",
     "safetensors",
@@ -71,9 +73,24 @@ def cpu_rows(report: Report) -> None:
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     )
     report.add("torch threads", torch.get_num_threads())
+    report.add("threads now", threads_row())
+    report.add("OpenMP wait", wait_policy())
     report.add("AMX", ", ".join(amx) if amx else ("no" if flags else "unknown"))
     report.add("AVX-512", "yes" if "avx512f" in flags else ("no" if flags else "unknown"))
     report.add("host planner", planner_row(report))
+
+
+def threads_row() -> str:
+    """The intra-op threads a runtime would choose now (oled.threads.choose), and why."""
+    import torch
+
+    from oled.threads import MONITOR, choose, visible_cpus
+
+    default, cores = torch.get_num_threads(), len(visible_cpus())
+    choice = choose(cpu_threads=None, default=default, others=MONITOR.others(), cores=cores)
+    if choice.fixed:
+        return f"{choice.describe()}: fixed, whatever the load"
+    return f"{choice.describe()}: runtime.cpu_threads or OMP_NUM_THREADS would fix the count"
 
 
 def planner_row(report: Report) -> str:
@@ -176,23 +193,44 @@ def pinned_copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
 
 def calibration_rows(report: Report) -> None:
     """The cost models measured on this machine and stored (oled.offload.calibrate): the
-    decisions of `runtime.cost = "calibrate"` read them back, so they repeat from run to run."""
-    from oled.offload.calibrate import stored_calibrations
+    decisions of `runtime.cost = "calibrate"` read them back, so they repeat from run to run;
+    and those this process measured under load and did not store."""
+    from oled.offload.calibrate import describe_load, stored_calibrations, violation
     from oled.paths import cache_home
 
     folder = cache_home() / "cost"
     stored = stored_calibrations(folder)
     if not stored:
-        report.add("cost calibrations", f"none yet in {folder} (the first offloaded run measures)")
+        report.add(
+            "cost calibrations",
+            f"none yet in {folder} (the first offloaded run on a quiet machine measures and "
+            "stores one)",
+        )
     for c in stored:
         k, cost = c.parts, c.cost
+        if not c.stored:
+            how = c.state
+        elif not c.current:
+            how = "an earlier method's, never read now: delete it"
+        else:
+            line = violation(cost)
+            how = f"stored, {describe_load(c.load)}" + (f"; rejected: {line}" if line else "")
         report.add(
             f"cost {c.file.stem.removeprefix('cost-')}",
             f"{c.measured}, {k['device']}, experts {k['expert shape']} {k['dtype']}, "
             f"{k['threads']} threads: copy {cost.copy_ms_per_expert:.3g} ms/expert, CPU expert "
             f"{cost.cpu_fixed_ms:.3g} + {cost.cpu_ms_per_token:.3g} ms/token, GPU "
-            f"{cost.gpu_fixed_ms:.3g} + {cost.gpu_ms_per_expert:.3g} ms/expert",
+            f"{cost.gpu_fixed_ms:.3g} + {cost.gpu_ms_per_expert:.3g} ms/expert ({how})",
         )
+
+
+def recalibrate() -> list[str]:
+    """`oled env --recalibrate`: measure every stored calibration again, replacing a file only
+    with a clean measurement (oled.offload.calibrate.recalibrate); a line per file."""
+    from oled.offload.calibrate import recalibrate as again
+    from oled.paths import cache_home
+
+    return again(cache_home() / "cost")
 
 
 def package_rows(report: Report) -> None:

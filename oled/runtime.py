@@ -38,6 +38,7 @@ from oled.policies.base import AllocationPolicy, CompensationPolicy, CostModel, 
 from oled.policies.planner import STAGE_ROUNDS, Planner
 from oled.recipe import DEFAULT_MODEL, Recipe, RuntimeSection
 from oled.recipe.schema import RUNTIME
+from oled.threads import MONITOR, ThreadChoice, choose, env_threads, visible_cpus
 from oled.trace.replay import RoutingReplay, special_ids
 
 if TYPE_CHECKING:
@@ -103,6 +104,32 @@ class Generation:
 
 
 REFERENCE_LOGITS = 8  # a reference keeps each position's 8 largest logits (Agreement)
+_DEFAULT_THREADS: int | None = None  # torch's count before any runtime of this process set it
+_AUTO: ThreadChoice | None = None  # this process's own choice, made once
+
+
+def cpu_threads(configured: int | None = None) -> ThreadChoice:
+    """Choose torch's intra-op threads and set them (oled.threads.choose): `configured`
+    (runtime.cpu_threads) or OMP_NUM_THREADS when set; else the choice this process made for
+    its first such runtime, torch's own count (a caller's torch.set_num_threads caps it) less
+    the cores that other processes kept busy then. Made once, it holds for the process, so
+    every generation of a process computes with the same threads (a CPU GEMM's summation
+    order follows the thread count: the resident reference and an offloaded run agree)."""
+    global _DEFAULT_THREADS, _AUTO
+    if _DEFAULT_THREADS is None:
+        _DEFAULT_THREADS = torch.get_num_threads()
+    if _AUTO is not None and configured is None and env_threads() is None:
+        choice = _AUTO
+    else:
+        cores = len(visible_cpus())
+        choice = choose(
+            cpu_threads=configured, default=_DEFAULT_THREADS, others=MONITOR.others(), cores=cores
+        )
+        if not choice.fixed:
+            _AUTO = choice
+    if torch.get_num_threads() != choice.threads:
+        torch.set_num_threads(choice.threads)
+    return choice
 
 
 class Runtime:
@@ -119,9 +146,11 @@ class Runtime:
         graphs: bool = True,
         kernels: str = "auto",
         costs: dict[str, Any] | None = None,
+        threads: ThreadChoice | None = None,
     ) -> None:
         fused_kernels.check(kernels, device)
         self.costs = costs  # where the decisions' cost model comes from, and its figures
+        self.threads = threads  # the intra-op threads chosen (None: left as torch had them)
         fused_kernels.use(kernels)
         self.kernels = kernels
         self.checkpoint = checkpoint
@@ -143,7 +172,8 @@ class Runtime:
         resident): the cost model's source and figures, and whether a policy adapts live."""
         if self.engine is None:
             return None
-        return {"adaptive": self.engine.planner.adaptive, "costs": self.costs}
+        threads = self.threads.describe() if self.threads is not None else None
+        return {"adaptive": self.engine.planner.adaptive, "costs": self.costs, "threads": threads}
 
     @property
     def engine(self) -> OffloadEngine | None:
@@ -389,8 +419,7 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
     """
     spec = spec if isinstance(spec, RuntimeSpec) else RuntimeSpec.of(spec)
     rt = spec.runtime
-    if rt.cpu_threads:
-        torch.set_num_threads(rt.cpu_threads)
+    threads = cpu_threads(rt.cpu_threads)
     dev, torch_dtype = pick_device(rt.device), pick_dtype(rt.dtype)
     check_codec(rt.transfer, torch_dtype)
     fused_kernels.check(rt.kernels, dev)
@@ -417,6 +446,7 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
         "decode": spec.decode,
         "graphs": rt.cuda_graphs,
         "kernels": rt.kernels,
+        "threads": threads,
     }
     if slots is None:
         executor = ResidentExperts(ckpt.experts, dev)
@@ -424,7 +454,7 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
     encoded = None
     if rt.transfer != "plain":
         encoded = EncodedCopies(ckpt.experts, rt.transfer, dev, progress)
-    cost, costs = decision_cost(spec.cost_model, ckpt, dev, encoded)
+    cost, costs = decision_cost(spec.cost_model, ckpt, dev, encoded, threads)
     planner = make_planner(
         ckpt,
         dev,
@@ -482,12 +512,16 @@ def build_runtime(
 
 
 def decision_cost(
-    cost: CostModel | str, ckpt: Checkpoint, dev: torch.device, encoded: EncodedCopies | None
+    cost: CostModel | str,
+    ckpt: Checkpoint,
+    dev: torch.device,
+    encoded: EncodedCopies | None,
+    threads: ThreadChoice | None = None,
 ) -> tuple[CostModel, dict[str, Any]]:
     """The cost model the decisions use (`resolve_cost`), its copies priced by the bytes they
     move (`encoded`: the encoded share of an expert's bytes, CostModel.for_transfer; None:
     plain rows), and its description for reports (with the transfer and its share)."""
-    cost, costs = resolve_cost(cost, ckpt, dev)
+    cost, costs = resolve_cost(cost, ckpt, dev, threads)
     if encoded is None:
         return cost, costs
     cost = cost.for_transfer(encoded.ratio)
@@ -553,17 +587,30 @@ def make_planner(
 
 
 def resolve_cost(
-    cost: CostModel | str, ckpt: Checkpoint, dev: torch.device
+    cost: CostModel | str,
+    ckpt: Checkpoint,
+    dev: torch.device,
+    threads: ThreadChoice | None = None,
 ) -> tuple[CostModel, dict[str, Any]]:
-    """The cost model that `runtime.cost` names ("calibrate": this machine's, measured once and
-    stored under cache_home()/cost; else a profile), or the one given, and its description
-    for reports."""
+    """The cost model that `runtime.cost` names ("calibrate": this machine's, measured on a
+    quiet machine and stored under cache_home()/cost, keyed by the configured threads of
+    `threads`; else a profile), or the one given, and its description for reports."""
     if isinstance(cost, CostModel):
         return cost, {"source": "given", **asdict(cost)}
     if cost == "calibrate":
         from oled.offload.calibrate import calibrated_cost
 
-        calibration = calibrated_cost(ckpt.experts, dev, cache_home() / "cost")
+        if threads is None:  # the configured count, whatever the load lets run now
+            cores = len(visible_cpus())
+            most = _DEFAULT_THREADS or torch.get_num_threads()
+            threads = choose(cpu_threads=None, default=most, others=None, cores=cores)
+        calibration = calibrated_cost(
+            ckpt.experts,
+            dev,
+            cache_home() / "cost",
+            threads=threads.configured,
+            others=threads.others,
+        )
         return calibration.cost, calibration.describe()
     profile = CostModel.profile(cost)
     return profile, {"source": f"profile {cost}", **asdict(profile)}

@@ -67,7 +67,16 @@ def _oled_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("OLED_HOME", str(tmp_path_factory.getbasetemp() / "oled-home"))
 
 
+# The slowest suites (`-m "not slow"` leaves them out): Triton's interpreter running the fused
+# kernels on a CPU, terminals and HTTP servers started as processes, training runs, a
+# PostgreSQL server.
+SLOW = ("tests/kernels/", "tests/chat/", "tests/serve/", "tests/train/", "test_tune_postgres.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(part in item.nodeid for part in SLOW):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -49,6 +49,16 @@ def test_shipped_recipes_exist() -> None:
     assert {"quickstart", "tune"} | baselines <= names
 
 
+def test_a_shipped_recipe_loads_by_name_from_anywhere(tmp_path: Path, monkeypatch) -> None:
+    """`builtin:quickstart` is the packaged copy of the quickstart recipe, from any folder."""
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe("builtin:quickstart")
+    assert recipe.name == "quickstart"
+    assert recipe.hash() == load_recipe(ROOT / "recipes" / "quickstart.toml").hash()
+    with pytest.raises(RecipeError, match=r"^builtin:quickstrt: no such shipped recipe \(did you"):
+        load_recipe("builtin:quickstrt")
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_shipped_recipe_validates(path: Path) -> None:
     skip = _missing_policy_modules()

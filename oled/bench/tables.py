@@ -48,7 +48,18 @@ def _caption(rows: list[dict[str, Any]]) -> str:
     m = machine()
     caption = f"{m['gpu'] if m['gpu'] != 'none' else platform.processor() or 'cpu'}, torch {m['torch']}, {time.strftime('%Y-%m-%d')}"
     used = sorted({row["kernels"] for row in rows if "kernels" in row})
-    return caption + (f", kernels: {' / '.join(used)}" if used else "")
+    caption += f", kernels: {' / '.join(used)}" if used else ""
+    costs = sorted({_costs(row) for row in rows} - {""})
+    return caption + (f", costs: {' / '.join(costs)}" if costs else "")
+
+
+def _costs(row: dict[str, Any]) -> str:
+    """The calibration a row's decisions used: when it was measured and how it stands
+    (stored clean, not stored: measured under load, re-checked with a disagreement)."""
+    costs = (row.get("decisions") or {}).get("costs") or {}
+    if costs.get("source") != "calibrated":
+        return str(costs.get("source", ""))
+    return f"calibrated {costs.get('measured')} ({costs.get('state') or 'stored'})"
 
 
 def _columns(ratios: bool, offload: bool, ahead: bool) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,7 +12,7 @@ from rich.table import Table
 
 from oled import registry as reg
 from oled.cli.options import check_writable, fail, user_errors
-from oled.recipe import BUILTIN, RecipeError, load_recipe
+from oled.recipe import BUILTIN, RecipeError, load_recipe, shipped_recipes
 from oled.registry import ComponentImportError, suggest
 
 SetOption = Annotated[
@@ -25,14 +24,8 @@ SetOption = Annotated[
 _fail = fail  # one `error:` line on stderr; the exit to raise
 
 
-def _load(path: Path, overrides: list[str] | None) -> Any:
-    return load_recipe(path, overrides or [])
-
-
-def shipped_recipes() -> dict[str, Path]:
-    """Recipes shipped with the package, by name."""
-    data = Path(str(resources.files("oled") / "data"))
-    return {p.stem: p for p in sorted(data.glob("*.toml"))}
+def _load(path: Path, overrides: list[str] | None, *, require_model: bool = False) -> Any:
+    return load_recipe(path, overrides or [], require_model=require_model)
 
 
 def validate(
@@ -162,7 +155,7 @@ def run(
     """Run a recipe: generate, summarise, write a report and plots, log to MLflow."""
     from oled.experiment.run import run_experiment
 
-    run_experiment(_load(recipe, set_))
+    run_experiment(_load(recipe, set_, require_model=True))  # a missing model: its line
 
 
 def tune(

@@ -148,6 +148,14 @@ def serve(
             "runtime.max_batch, else 8; 1: one at a time).",
         ),
     ] = None,
+    max_queue: Annotated[
+        int | None,
+        typer.Option(
+            "--max-queue",
+            help="Requests kept waiting for a place in the batch; more are answered 429 with "
+            "Retry-After (default: the recipe's runtime.max_queue, else 64; 0: none wait).",
+        ),
+    ] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
     from oled.serve.server import run_server, served_name
@@ -168,6 +176,7 @@ def serve(
         max_tokens=default_max_tokens,
         max_tokens_flag="--default-max-tokens",
         max_batch=max_batch,
+        max_queue=max_queue,
     )
     run_server(
         spec,
@@ -231,12 +240,25 @@ def env(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print JSON instead of a table.")
     ] = False,
+    recalibrate: Annotated[
+        bool,
+        typer.Option(
+            "--recalibrate",
+            help="Measure the stored cost calibrations again; a file is replaced only by a "
+            "measurement taken on a quiet machine with every figure inside its bounds.",
+        ),
+    ] = False,
 ) -> None:
-    """Show Python, torch, CUDA, GPU, copy bandwidth, CPU (AMX) and package versions."""
+    """Show Python, torch, CUDA, GPU, copy bandwidth, CPU (AMX, threads), the cost
+    calibrations and package versions."""
     import json
 
     from oled.env import collect
+    from oled.env import recalibrate as measure_again
 
+    if recalibrate:
+        for line in measure_again():
+            err_console.print(f"recalibrate: {line}", highlight=False, soft_wrap=True)
     report = collect(require_cuda=require_cuda)
     out = Console(highlight=False, soft_wrap=True)
     if json_out:

@@ -187,14 +187,20 @@ def summary_table(report: dict[str, Any], title: str) -> Table:
 
 
 def decisions_text(decisions: dict[str, Any]) -> str:
-    """One line on how the offload decisions were made: the cost model's source and whether a
-    policy adapts to live timings (then the same recipe can decide differently next time)."""
+    """One line on how the offload decisions were made: the cost model's source (a calibration:
+    when it was measured, whether it was stored clean, measured under load and not stored, or
+    re-checked with a disagreement) and whether a policy adapts to live timings (then the same
+    recipe can decide differently next time)."""
     costs = decisions.get("costs") or {}
     source = costs.get("source", "?")
     if "measured" in costs:
         source += f" {costs['measured']}"
+    if costs.get("state"):
+        source += f" ({costs['state']})"
     if decisions.get("adaptive"):
         return f"{source}; live adaptation on: decisions follow this run's timings"
+    if costs.get("stored") is False:
+        return f"{source}; this run's costs: the next run measures again"
     return f"{source}; deterministic"
 
 
@@ -250,11 +256,14 @@ def run_experiment(
     *,
     factory: RuntimeFactory | None = None,
     console: Console | None = None,
+    out: Console | None = None,
 ) -> RunResult:
     """Run a recipe end to end. The runtime is built first, so a set-up error (no model, a
     budget too small, no such device) leaves no MLflow run; once the run has started it ends
-    FAILED if anything raises."""
+    FAILED if anything raises. Progress goes to `console` (stderr), the summary table and the
+    report's folder to `out` (stdout), so that `oled run R > out.txt` keeps the results."""
     console = console or Console(stderr=True)
+    out = out or Console()
     if factory is None:
         from oled.runtime import build
 
@@ -279,6 +288,6 @@ def run_experiment(
         files = write_report(report, directory)
         files.append(write_iterations(report, directory))
         log_run(tracker, recipe, report, files)
-    console.print(summary_table(report, f"{recipe.name} ({recipe.hash()})"))
-    console.print(f"report: {directory}")
+    out.print(summary_table(report, f"{recipe.name} ({recipe.hash()})"))
+    out.print(f"report: {directory}", soft_wrap=True, highlight=False)
     return RunResult(report, directory, files, tracker.run_id or None)

@@ -86,10 +86,17 @@ class NullTracker(Tracker):
     def log_artifacts(self, paths: Sequence[Path], artifact_path: str | None = None) -> None: ...
 
 
+QUIET_LOGGERS = ("mlflow.store.db.utils", "alembic.runtime.migration")  # a new store's set-up
+
+
 def client_for(uri: str) -> Any:
-    """An `MlflowClient` for `uri`."""
+    """An `MlflowClient` for `uri` (the INFO lines of a new store's tables are not shown)."""
+    import logging
+
     from mlflow.tracking import MlflowClient
 
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     return MlflowClient(tracking_uri=uri)
 
 

@@ -9,6 +9,8 @@ folder before `out`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import socket
@@ -158,6 +160,31 @@ def open_study(
                 raise StorageError(_cannot_open(tune, exc)) from None
         time.sleep(0.5 * attempt)
         attempt += 1
+
+
+def study_name(recipe: Recipe) -> str:
+    """`tune.study_name`, else the recipe's name and a digest of its search space: two recipes
+    of one name that search other keys never share a study, and the same recipe resumes its
+    own."""
+    tune = recipe.tune
+    assert tune is not None
+    if tune.study_name:
+        return tune.study_name
+    space = {key: s.model_dump(by_alias=True) for key, s in sorted(tune.params.items())}
+    digest = hashlib.sha1(json.dumps(space, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{recipe.name}-{digest}"
+
+
+def check_space(study: Any, tune: TuneSection) -> None:
+    """ValueError when the study's trials tuned keys this recipe does not search (a study
+    name given twice for other spaces)."""
+    seen = {key for trial in study.trials for key in trial.params}
+    other = sorted(seen - set(tune.params))
+    if other:
+        raise ValueError(
+            f"study '{study.study_name}' in {describe_storage(tune.storage)} tuned other keys "
+            f"({', '.join(other)}): give this search its own tune.study_name"
+        )
 
 
 def _cannot_open(tune: TuneSection, exc: BaseException) -> str:
@@ -370,9 +397,10 @@ def tune_recipe(
 
         check(recipe)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    name = tune.study_name or recipe.name
+    name = study_name(recipe)
     beat = HEARTBEAT_INTERVAL if heartbeat_interval is None else heartbeat_interval
     study = open_study(tune, name, beat, grace_period)
+    check_space(study, tune)
     storage = describe_storage(tune.storage)
     tags = {"oled.study": name, "oled.storage": storage, "oled.worker": worker_id()}
     with tracked_run(recipe, run_name=f"study {name}", tags=tags) as parent:

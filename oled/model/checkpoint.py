@@ -206,7 +206,8 @@ def load_checkpoint(
     """Load config, tokenizer, non-expert weights (on `device`) and experts (host, maybe pinned)."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory")
+        why = "not a directory" if path.exists() else "no such checkpoint directory"
+        raise CheckpointError(f"{path}: {why}")
     cfg = ModelConfig.from_json(path)
     tokenizer = Tokenizer.from_dir(path)
     reader = ShardReader(path)

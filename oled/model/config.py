@@ -187,6 +187,8 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
+        elif not path.exists():
+            raise ConfigError(f"{path}: no such checkpoint directory")
         if not path.exists():
             raise ConfigError(f"{path}: no config.json here: not a LLaDA2 checkpoint directory")
         try:

@@ -16,6 +16,8 @@ from oled.recipe.load import (
     load_recipe,
     override,
     parse_value,
+    shipped_recipe,
+    shipped_recipes,
     validate,
 )
 from oled.recipe.schema import (
@@ -55,6 +57,8 @@ __all__ = [
     "parse_size",
     "parse_value",
     "routing_trace",
+    "shipped_recipe",
+    "shipped_recipes",
     "tomllib",
     "validate",
 ]

@@ -43,12 +43,13 @@ def load_recipe(
     skip_params: Iterable[str] = (),
     require_model: bool = False,
 ) -> Recipe:
-    """Load, override (`a.b=value`, value parsed as TOML, else a string) and validate a recipe.
+    """Load, override (`a.b=value`, value parsed as TOML, else a string) and validate a recipe:
+    a file, or `builtin:NAME` for a recipe shipped with the package (`oled cp` lists them).
 
     `skip_params`: policy kinds whose parameters are not checked (only their names are);
     `require_model`: the model's checkpoint must be on this machine (`oled validate`).
     """
-    path = Path(path)
+    path = shipped_recipe(str(path)) if str(path).startswith(BUILTIN) else Path(path)
     text = read_text(path)
     try:
         raw = tomllib.loads(text)
@@ -68,6 +69,27 @@ def load_recipe(
     )
     recipe._path = path
     return recipe
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """The recipes shipped with the package (`oled cp NAME`), by name."""
+    from importlib import resources
+
+    data = Path(str(resources.files("oled") / "data"))
+    return {p.stem: p for p in sorted(data.glob("*.toml"))}
+
+
+def shipped_recipe(name: str) -> Path:
+    """The file of shipped recipe `builtin:NAME` (or NAME); RecipeError naming the shipped
+    ones when there is no such recipe."""
+    stem = name.removeprefix(BUILTIN).removesuffix(".toml")
+    recipes = shipped_recipes()
+    if stem not in recipes:
+        raise RecipeError(
+            f"{name}: no such shipped recipe{reg.suggest(stem, recipes)}; "
+            f"shipped: {', '.join(recipes)}"
+        )
+    return recipes[stem]
 
 
 def read_text(path: Path) -> str:
@@ -117,6 +139,7 @@ class Flags:
     kernels: str | None = _flag("runtime.kernels", "--kernels")
     transfer: str | None = _flag("runtime.transfer", "--transfer")
     max_batch: int | None = _flag("runtime.max_batch", "--max-batch")
+    max_queue: int | None = _flag("runtime.max_queue", "--max-queue")
     block_length: int | None = _flag("decoding.block_length", "--block-length")
     threshold: float | None = _flag("decoding.threshold", "--threshold")
     steps: int | None = _flag("decoding.steps", "--steps")

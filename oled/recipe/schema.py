@@ -88,6 +88,7 @@ class RuntimeSection(Strict):
     max_batch: int = Field(
         default=8, ge=1
     )  # generations `oled serve` decodes together (1: in turn)
+    max_queue: int = Field(default=64, ge=0)  # requests `oled serve` keeps waiting (more: 429)
     # how misses cross the link: bf16 rows, encoded bit-exact, or fp8 / int4 (lossy: other tokens)
     transfer: Literal["plain", "lossless", "fp8", "int4"] = "plain"
 
@@ -343,6 +344,7 @@ HASHED_WHEN_SET = {
     ("workload", "agreement"): True,
     ("runtime", "max_batch"): 8,
     ("runtime", "transfer"): "plain",
+    ("runtime", "max_queue"): 64,
 }
 
 

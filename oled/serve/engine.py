@@ -318,10 +318,8 @@ class Engine:
         return dec
 
     def _add(self, dec: BatchDecoder, job: Job) -> None:
-        """Queue the job in the decoder (it joins at the next step); a job it refuses fails.
-        A joining job is when the threads follow the neighbours' load (at most every 10 s)."""
+        """Queue the job in the decoder (it joins at the next step); a job it refuses fails."""
         assert self.runtime is not None
-        self.runtime.recheck_threads()
         run = Running(job, TextAssembler(self.runtime.tokenizer, job.stops))
         try:
             stream = dec.add(job.prompt_ids, job.decode, cancelled=job.cancel.is_set, tag=run)

@@ -514,3 +514,17 @@ def test_bench_shows_progress_on_a_terminal_only(tiny_dir, tmp_path):
     child.expect(r"timing .*\d/3")  # the bar, counting the timed runs
     child.expect("tokens/s")  # then the table
     child.expect(pexpect.EOF)
+
+
+def test_the_caption_names_the_calibration_the_rows_used():
+    from oled.bench.tables import _caption
+
+    costs = {
+        "source": "calibrated",
+        "measured": "2026-12-04T15:39:27+00:00",
+        "state": "not stored: measured under load: 1 thread",
+    }
+    rows = [{"decisions": None}, {"decisions": {"costs": costs}}]
+    assert _caption(rows).endswith(
+        "costs: calibrated 2026-12-04T15:39:27+00:00 (not stored: measured under load: 1 thread)"
+    )

@@ -1,4 +1,6 @@
-"""`oled env`: the report, AMX detection, and --require-cuda failing clearly without a GPU."""
+"""`oled env`: the report, AMX detection, --require-cuda failing clearly without a GPU, the
+threads a runtime would choose now, and --recalibrate replacing a stored calibration only with a
+clean one."""
 
 from __future__ import annotations
 
@@ -100,3 +102,79 @@ def test_launches_row_says_why_layer_calls_launch_in_python(monkeypatch):
     monkeypatch.setattr(copies, "_runtime_library", lambda: None)
     monkeypatch.setattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec", lambda self: 0, raising=False)
     assert env.launches_row().startswith("Python (the CUDA runtime lacks cudaMemcpyAsync")
+
+
+def test_the_report_says_how_threads_are_chosen_and_wait():
+    rows = dict(collect(bandwidth=False).rows)
+    assert "OMP_NUM_THREADS" in rows["threads now"]
+    assert rows["OpenMP wait"] != ""
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as a runtime chooses beside busy neighbours: a loaded CI machine
+    then slows a calibration's rounds without pushing them out of their bounds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _stored(tmp_path, *, copy_ms: float):
+    """A stored calibration of this process's key for one layer of 8 tiny-model experts."""
+    from oled.model.experts import ExpertStore
+    from oled.offload.calibrate import Calibration, machine_key, machine_parts
+    from oled.policies.base import CostModel
+
+    store = ExpertStore.empty(
+        layers=1, experts=8, hidden=256, inter=128, dtype=torch.float32, pin=False
+    )
+    parts = machine_parts(store, torch.device("cpu"), torch.get_num_threads())
+    cost = CostModel(
+        copy_ms_per_expert=copy_ms,
+        copy_fixed_ms=0.01,
+        cpu_fixed_ms=0.2,
+        cpu_ms_per_token=0.005,
+        gpu_fixed_ms=0.5,
+        gpu_ms_per_expert=0.3,
+        expert_bytes=store.expert_bytes,
+    )
+    file = tmp_path / "cost" / f"cost-{machine_key(parts)}.json"
+    load = {"threads": torch.get_num_threads(), "cores": 2, "others_cores": 0.0}
+    Calibration(cost, parts, "2026-01-01T00:00:00+00:00", file, load=load, experts=8).write()
+    return file
+
+
+def test_recalibrate_replaces_the_stored_file(tmp_path, monkeypatch, one_thread):
+    from oled.offload import calibrate
+
+    monkeypatch.setenv("OLED_HOME", str(tmp_path))
+    monkeypatch.setattr(calibrate, "contended", lambda threads, cores, others: False)  # quiet
+    file = _stored(tmp_path, copy_ms=3.0)  # 100x the copy time of these experts
+    result = runner.invoke(app, ["env", "--recalibrate", "--json"])
+    assert result.exit_code == 0, result.output
+    assert f"recalibrate: {file.name}: replaced" in result.stderr
+    new = calibrate.Calibration.read(file)
+    assert new.measured != "2026-01-01T00:00:00+00:00" and new.cost.copy_ms_per_expert < 3.0
+    row = json.loads(result.stdout)["rows"][f"cost {file.stem.removeprefix('cost-')}"]
+    assert row.startswith(new.measured) and "other processes keeping" in row
+
+
+def test_recalibrate_keeps_the_stored_file_when_measured_under_load(
+    tmp_path, monkeypatch, one_thread
+):
+    from oled.offload import calibrate
+
+    monkeypatch.setenv("OLED_HOME", str(tmp_path))
+    monkeypatch.setattr(calibrate, "others_busy", lambda before, after: 1.9)
+    file = _stored(tmp_path, copy_ms=0.02)
+    result = runner.invoke(app, ["env", "--recalibrate"])
+    assert result.exit_code == 0, result.output
+    assert "kept the stored one; the new one is not stored: measured under load" in result.stderr
+    assert calibrate.Calibration.read(file).measured == "2026-01-01T00:00:00+00:00"
+
+
+def test_recalibrate_with_nothing_stored_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("OLED_HOME", str(tmp_path))
+    result = runner.invoke(app, ["env", "--recalibrate"])
+    assert result.exit_code == 0 and "no calibration stored in" in result.stderr

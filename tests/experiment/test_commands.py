@@ -54,6 +54,9 @@ def run_tiny(tmp_path: Path, mlflow_uri: str, name: str, runtime: str, rest: str
     result = runner.invoke(app, ["run", str(path)])
     assert result.exit_code == 0, result.output
     (report_file,) = (tmp_path / "reports").glob(f"{name}-*/report.json")
+    # the results go to stdout (`oled run R > out.txt` keeps them), progress to stderr
+    assert "tokens / s (end to end)" in result.stdout and "tokens / s" not in result.stderr
+    assert f"report: {report_file.parent}" in result.stdout
     return json.loads(report_file.read_text())
 
 

@@ -125,7 +125,7 @@ def test_failed_run_ends_failed(tmp_path: Path, components, mlflow_uri: str) -> 
 @pytest.mark.parametrize(
     ("model", "budget", "message"),
     [
-        ("{tmp}/no-model", "expert_fraction = 0.5", "no config.json here"),
+        ("{tmp}/no-model", "expert_fraction = 0.5", "setup.toml:2: model.path: no such directory"),
         ("builtin:tiny", "expert_budget = 1", "budget too small"),
     ],
 )
@@ -160,3 +160,19 @@ def test_an_mlflow_store_that_cannot_open_fails_before_any_work(tmp_path: Path, 
     assert result.exit_code == 2, result.output
     assert result.output.startswith(f"error: cannot open the MLflow store {uri}: ")
     assert result.output.count("\n") == 1 and not (tmp_path / "reports").exists()
+
+
+def test_the_decisions_line_says_how_the_calibration_stands() -> None:
+    from oled.experiment.run import decisions_text
+
+    costs = {"source": "calibrated", "measured": "2026-12-04T15:39:27+00:00", "stored": True}
+    clean = costs | {"state": "stored clean, re-check agrees"}
+    assert decisions_text({"adaptive": False, "costs": clean}) == (
+        "calibrated 2026-12-04T15:39:27+00:00 (stored clean, re-check agrees); deterministic"
+    )
+    loaded = costs | {"stored": False, "state": "not stored: measured under load: 1 thread"}
+    assert decisions_text({"adaptive": False, "costs": loaded}).endswith(
+        "(not stored: measured under load: 1 thread); this run's costs: the next run measures again"
+    )
+    profile = {"source": "profile cpu-ci"}
+    assert decisions_text({"adaptive": False, "costs": profile}) == "profile cpu-ci; deterministic"

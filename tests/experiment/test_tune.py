@@ -201,3 +201,30 @@ def test_run_objective_without_its_model_fails_before_the_study(
     assert result.output.startswith("error: ") and str(missing) in result.output
     assert result.output.count("\n") == 1
     assert not (tmp_path / "optuna.db").exists() and mlflow_runs(mlflow_uri, "run-missing") == []
+
+
+def test_recipes_of_one_name_keep_their_own_studies(tmp_path: Path, bowl_objective) -> None:
+    """Two `tune.toml` of other search spaces in one storage (as recipes/tune.toml and
+    recipes/twin/tune.toml): each its own study; a study name given to both is one line."""
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    paths = []
+    for folder in ["two-keys", "one-key"]:
+        (tmp_path / folder).mkdir()
+        path = tune_recipe_file(tmp_path / folder, storage, 2, tune_tracking(tmp_path, None))
+        text = path.read_text().replace('study_name = "bowl"\n', "")
+        if folder == "one-key":
+            text = text.replace('"policy.retention.window" = { low = 1, high = 8, int = true }', "")
+        path.write_text(text)
+        paths.append(path)
+    for path in paths:
+        result = runner.invoke(app, ["tune", str(path)])
+        assert result.exit_code == 0, result.output
+    names = sorted(s.study_name for s in optuna.get_all_study_summaries(storage))
+    assert len(names) == 2 and all(re.fullmatch(r"tune-[0-9a-f]{8}", n) for n in names), names
+    for path in paths:
+        path.write_text(path.read_text().replace("[tune]\n", '[tune]\nstudy_name = "mine"\n'))
+        result = runner.invoke(app, ["tune", str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(
+        f"error: study 'mine' in {storage} tuned other keys (policy.retention.window): "
+    ), result.output

@@ -103,6 +103,11 @@ def test_misshaped_tensor(tiny_dir, tmp_path):
 def test_directory_without_config(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         load_checkpoint(tmp_path)
+    gone = f"^{tmp_path / 'gone'}: no such checkpoint directory$"
+    with pytest.raises(ConfigError, match=gone):
+        ModelConfig.from_json(tmp_path / "gone")
+    with pytest.raises(CheckpointError, match=gone):
+        load_checkpoint(tmp_path / "gone")
 
 
 def test_unsupported_config_value(tiny_dir, tmp_path):
