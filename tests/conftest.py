@@ -55,6 +55,16 @@ def mask_wins_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread, as a runtime chooses beside busy neighbours: a loaded CI machine
+    then slows a calibration's rounds without pushing them out of their bounds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     """Every test starts from the same global random state, whichever tests ran before it."""

@@ -110,16 +110,6 @@ def test_the_report_says_how_threads_are_chosen_and_wait():
     assert rows["OpenMP wait"] != ""
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, as a runtime chooses beside busy neighbours: a loaded CI machine
-    then slows a calibration's rounds without pushing them out of their bounds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _stored(tmp_path, *, copy_ms: float):
     """A stored calibration of this process's key for one layer of 8 tiny-model experts."""
     from oled.model.experts import ExpertStore

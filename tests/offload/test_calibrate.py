@@ -51,13 +51,8 @@ def _fresh_process_memory(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread, as a runtime chooses beside busy neighbours: a loaded CI machine
-    then slows the rounds without pushing them out of their bounds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every calibration here on one thread (conftest's one_thread)."""
 
 
 def _sane(store: ExpertStore) -> CostModel:

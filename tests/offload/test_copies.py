@@ -22,16 +22,6 @@ def test_rows_need_contiguous_tables():
         Rows.of(torch.zeros(4, 3, 2).transpose(1, 2), torch.zeros(4, 2, 2))
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, as a runtime chooses beside busy neighbours: a loaded CI machine
-    then slows a calibration's rounds without pushing them out of their bounds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_calibration_measures_the_engine_paths_and_caches(tmp_path, monkeypatch, one_thread):
     from oled.model.experts import ExpertStore
     from oled.offload import calibrate
