@@ -79,8 +79,15 @@ def _oled_home(tmp_path_factory, monkeypatch):
 
 # The slowest suites (`-m "not slow"` leaves them out): Triton's interpreter running the fused
 # kernels on a CPU, terminals and HTTP servers started as processes, training runs, a
-# PostgreSQL server.
-SLOW = ("tests/kernels/", "tests/chat/", "tests/serve/", "tests/train/", "test_tune_postgres.py")
+# PostgreSQL server, long batched generations.
+SLOW = (
+    "tests/kernels/",
+    "tests/chat/",
+    "tests/serve/",
+    "tests/train/",
+    "test_tune_postgres.py",
+    "tests/decoding/test_batch.py",  # long generations, each one alone and in batches
+)
 
 
 def pytest_collection_modifyitems(config, items):
