@@ -112,27 +112,15 @@ def test_the_report_says_how_threads_are_chosen_and_wait():
 
 def _stored(tmp_path, *, copy_ms: float):
     """A stored calibration of this process's key for one layer of 8 tiny-model experts."""
+    from dataclasses import replace
+
     from oled.model.experts import ExpertStore
-    from oled.offload.calibrate import Calibration, machine_key, machine_parts
-    from oled.policies.base import CostModel
+    from tests.offload.test_calibrate import _sane, _write
 
     store = ExpertStore.empty(
         layers=1, experts=8, hidden=256, inter=128, dtype=torch.float32, pin=False
     )
-    parts = machine_parts(store, torch.device("cpu"), torch.get_num_threads())
-    cost = CostModel(
-        copy_ms_per_expert=copy_ms,
-        copy_fixed_ms=0.01,
-        cpu_fixed_ms=0.2,
-        cpu_ms_per_token=0.005,
-        gpu_fixed_ms=0.5,
-        gpu_ms_per_expert=0.3,
-        expert_bytes=store.expert_bytes,
-    )
-    file = tmp_path / "cost" / f"cost-{machine_key(parts)}.json"
-    load = {"threads": torch.get_num_threads(), "cores": 2, "others_cores": 0.0}
-    Calibration(cost, parts, "2026-01-01T00:00:00+00:00", file, load=load, experts=8).write()
-    return file
+    return _write(store, tmp_path / "cost", replace(_sane(store), copy_ms_per_expert=copy_ms))
 
 
 def test_recalibrate_replaces_the_stored_file(tmp_path, monkeypatch, one_thread):
