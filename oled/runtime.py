@@ -35,7 +35,7 @@ from oled.offload.engine import OffloadEngine
 from oled.offload.predict import NextLayerRouting
 from oled.paths import cache_home
 from oled.policies.base import AllocationPolicy, CompensationPolicy, CostModel, RetentionPolicy
-from oled.policies.planner import STAGE_ROUNDS, Planner
+from oled.policies.planner import STAGE_ROUNDS, AheadFrom, Planner
 from oled.recipe import DEFAULT_MODEL, Recipe, RuntimeSection
 from oled.recipe.schema import RUNTIME
 from oled.threads import MONITOR, ThreadChoice, choose, env_threads, visible_cpus
@@ -409,7 +409,8 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
     unless `runtime.cuda_graphs` is False (the same tokens either way), and the hot stages run
     as fused Triton kernels unless `runtime.kernels` is "torch" (oled.kernels).
     `runtime.prefetch` > 0 copies up to that many experts per MoE layer a layer ahead, from the
-    next layer's predicted routing (oled.offload.predict). `runtime.planner` "auto" plans
+    next layer's predicted routing (oled.offload.predict) or, with `runtime.ahead_from`
+    "previous", from what the next layer routed the forward before, on the link's spare time. `runtime.planner` "auto" plans
     compiled where it can (oled.policies.native), "compiled" insists on it, "python" keeps the
     Python planner: the same decisions either way. `driver` launches graphed layer calls from C
     where possible (None), insists (True) or never does (False; oled.offload.driver): the same
@@ -465,6 +466,7 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
         compensation=spec.compensation,
         cost=cost,
         prefetch=rt.prefetch,
+        ahead_from=rt.ahead_from,
         planner=rt.planner,
     )
     engine = make_engine(ckpt, dev, planner, driver=spec.driver, encoded=encoded)
@@ -539,7 +541,8 @@ def make_engine(
     """The offload engine over the checkpoint's experts, with the next layer's routing
     predicted from the model's routers when the planner prefetches; `driver`, `encoded`:
     see OffloadEngine (give the planner the `decision_cost` of the same `encoded`)."""
-    predict = NextLayerRouting(ckpt.model) if planner.prefetch_limit else None
+    routers = planner.prefetch_limit and planner.ahead_from == "router"
+    predict = NextLayerRouting(ckpt.model) if routers else None
     return OffloadEngine(
         store=ckpt.experts,
         device=dev,
@@ -564,6 +567,7 @@ def make_planner(
     compensation: CompensationPolicy | None = None,
     cost: CostModel | str = RUNTIME.cost,
     prefetch: int = RUNTIME.prefetch,
+    ahead_from: AheadFrom = RUNTIME.ahead_from,
     planner: str = RUNTIME.planner,
 ) -> Planner:
     """A planner of `slots` expert slots with the given policies; OLED's own where one is not
@@ -582,6 +586,7 @@ def make_planner(
         retention=retention,
         compensation=compensation,
         prefetch_limit=prefetch,
+        ahead_from=ahead_from,
         compiled=PLANNER_MODES[planner],
     )
 

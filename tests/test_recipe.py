@@ -392,3 +392,13 @@ def test_transfer_is_checked_and_named(recipe_file: Path) -> None:
     plain = load_recipe(recipe_file)
     assert transfer_label(plain) == "" and plain.hash() != recipe.hash()
     assert plain.hash() == load_recipe(recipe_file, ["runtime.transfer=plain"]).hash()
+
+
+def test_ahead_from_is_checked_and_hashed_only_when_set(recipe_file: Path) -> None:
+    message = _error(recipe_file, ["runtime.ahead_from=next"])
+    assert "unknown ahead_from 'next'; choose from router, previous" in message
+    previous = load_recipe(recipe_file, ["runtime.ahead_from=previous"])
+    assert previous.runtime.ahead_from == "previous"
+    plain = load_recipe(recipe_file)
+    assert plain.hash() == load_recipe(recipe_file, ["runtime.ahead_from=router"]).hash()
+    assert plain.hash() != previous.hash()

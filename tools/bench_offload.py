@@ -205,10 +205,12 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--ahead-from",
-        choices=["model", "recorded"],
+        choices=["model", "recorded", "previous"],
         default="model",
-        help="predict the next layer's routing with its router (model), or read it from a trace "
-        "of the followed generation (recorded: a perfect prediction, the bound)",
+        help="predict the next layer's routing with its router (model), read it from a trace "
+        "of the followed generation (recorded: a perfect prediction, the bound), or copy what "
+        "the next layer routed the forward before, on the link's spare time (previous: also in "
+        "replays of --routing)",
     )
     ap.add_argument(
         "--profile", action="store_true", help="device time per stage (rows with graphs)"
@@ -366,6 +368,7 @@ def offloaded_row(
         compensation=p["compensation"],
         cost=cost,
         prefetch=c.prefetch,
+        ahead_from="previous" if args.ahead_from == "previous" else "router",
         planner=c.planner,
     )
     engine = make_engine(ckpt, dev, planner, driver=c.driver, encoded=transfer)

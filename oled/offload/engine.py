@@ -202,7 +202,7 @@ class OffloadEngine(DecodeObserver):
                 assert into is not None  # only static calls launch from C
                 return self._driven(layer, r, ids_np, w_np, into, (t0, t1))
             t2 = time.perf_counter()
-            call = _PythonLaunch(self, r, into, next_np)
+            call = _PythonLaunch(self, r, into, next_np, plan)
             ready, cpu_ready = launch_inputs(call, layer, plan)  # copies first: the longest path
             cpu_job = self._cpu_job(layer, call.x_host, ids_np, w_np, plan, cpu_ready)
         t4 = time.perf_counter()
@@ -363,7 +363,13 @@ class OffloadEngine(DecodeObserver):
         """Copy into `layer`'s cache what its predicted routing [T, K] names and the cache lacks
         (Planner.prefetch), after the current layer's copies (through that call's `rt`);
         `layer`'s passes wait for them."""
-        experts, slots = self.planner.prefetch(layer, predicted)
+        self._copy_planned(rt, layer, *self.planner.prefetch(layer, predicted))
+
+    def _copy_planned(
+        self, rt: Launcher, layer: int, experts: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """Copies ahead into `layer`'s cache slots, placed there by the planner; `layer`'s
+        passes wait for them (the copy stream is in order: the last event covers them all)."""
         if not len(experts):
             return
         self._ahead[layer] = timed_copies(rt, layer, experts, slots, stage=False)
@@ -537,6 +543,7 @@ class _PythonLaunch:
         "pairs",
         "static",
         "next_np",
+        "plan",
         "compute",
         "copy",
         "finish",
@@ -549,13 +556,18 @@ class _PythonLaunch:
     )
 
     def __init__(
-        self, engine: OffloadEngine, r: MoERequest, into: Tensor | None, next_np: np.ndarray | None
+        self,
+        engine: OffloadEngine,
+        r: MoERequest,
+        into: Tensor | None,
+        next_np: np.ndarray | None,
+        plan: LayerPlan,
     ) -> None:
         """`into`: the static pairs (the passes replay as graphs) or None (eager: the hits'
         pass makes the pairs); `next_np`: the next layer's predicted ids [T, K] (copies ahead)
-        or None."""
+        or None; `plan`: the layer's plan (with the copies ahead it planned, if any)."""
         self.engine = e = engine
-        self.r, self.pairs, self.next_np = r, into, next_np
+        self.r, self.pairs, self.next_np, self.plan = r, into, next_np, plan
         self.static = into is not None and e.graphs is not None
         self.compute, self.copy, self.finish = e._compute, e.copy_stream, e.finish_stream
         self.stage_capacity = e.planner.stage_capacity
@@ -585,6 +597,9 @@ class _PythonLaunch:
     def copies_issued(self, layer: int) -> None:
         if self.next_np is not None:
             self.engine._copy_ahead(self, layer + 1, self.next_np)
+        p = self.plan
+        if len(p.ahead_experts):  # planned from the forward before (ahead_from "previous")
+            self.engine._copy_planned(self, p.ahead_layer, p.ahead_experts, p.ahead_slots)
         self.launched = time.perf_counter()
 
     def activations(self) -> None:

@@ -116,3 +116,36 @@ class AdaptiveAllocation(AllocationPolicy):
                 return last
         self._last = split
         return split
+
+
+@component("allocation", "curves")
+class CurvesAllocation(AllocationPolicy):
+    """Slots per layer by marginal gain on measured miss curves (utility-based partitioning):
+    the split with the fewest misses on the tuning trace the curves file was fitted on
+    (`oled trace curves`), never more than the equal split's there (oled.policies.curves).
+    Fixed for the run. `curves`: the file (a relative path is taken from the recipe's folder);
+    without one, the equal split."""
+
+    path_params = ("curves",)
+
+    def __init__(self, *, curves: str | None = None) -> None:
+        from oled.policies.curves import MissCurves
+
+        self.curves = MissCurves.load(curves) if curves else None
+        self.replan = False
+
+    def allocate(
+        self, *, total_slots: int, num_layers: int, num_experts: int, stats: LayerStats | None
+    ) -> list[int]:
+        """The least-misses split; ValueError when the curves are of another model shape."""
+        from oled.policies.curves import split
+
+        c = self.curves
+        if c is None:
+            return uniform_split(total_slots, num_layers, num_experts)
+        if (c.num_layers, c.num_experts) != (num_layers, num_experts):
+            raise ValueError(
+                f"miss curves of {c.num_layers} layers x {c.num_experts} experts "
+                f"({c.source.get('trace', '?')}) for a model of {num_layers} x {num_experts}"
+            )
+        return split(c.misses, total_slots)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -39,6 +39,8 @@ K = COUNTERS.at  # the counters' columns by name
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY_F = np.zeros(0, np.float64)
 _NO_LOAD = Load()
+AheadFrom = Literal["router", "previous"]
+AHEAD_FROM: tuple[AheadFrom, ...] = ("router", "previous")
 
 
 class ExpertCache:
@@ -112,6 +114,11 @@ class LayerPlan:
     evicted: np.ndarray  # experts dropped from the cache by this plan's copies
     predicted_hits: int = 0  # needed experts that were copied ahead for this forward
     map_rows: int = 0  # slot-map rows written (Planner.attach_maps), else 0
+    # copies ahead into the next layer's cache, issued after this plan's copies (ahead_from
+    # "previous": what that layer routed the forward before, on the link's spare time)
+    ahead_layer: int = -1
+    ahead_experts: np.ndarray = field(default_factory=lambda: _EMPTY)
+    ahead_slots: np.ndarray = field(default_factory=lambda: _EMPTY)
 
 
 def write_maps(maps: np.ndarray, plan: LayerPlan, stage_capacity: int) -> int:
@@ -222,7 +229,12 @@ class CopyAhead:
 
 
 class Planner:
-    """Per-layer hit/miss planning over fixed-slot expert caches."""
+    """Per-layer hit/miss planning over fixed-slot expert caches.
+
+    Copies ahead (`prefetch_limit` > 0 experts per layer at most) come from `ahead_from`:
+    "router", the next layer's routing predicted by the engine (Planner.prefetch); or
+    "previous", what the next layer routed the forward before, planned with each layer on the
+    link's spare time (LayerPlan.ahead_*)."""
 
     def __init__(
         self,
@@ -238,8 +250,11 @@ class Planner:
         cost: CostModel,
         stats_alpha: float = 0.2,
         prefetch_limit: int = 0,
+        ahead_from: AheadFrom = "router",
         compiled: bool | None = None,
     ) -> None:
+        if ahead_from not in AHEAD_FROM:
+            raise ValueError(f"unknown ahead_from {ahead_from!r}; choose from router, previous")
         if total_slots < num_layers:
             raise ValueError(
                 f"expert budget of {total_slots} slots is below the minimum of {num_layers} "
@@ -251,6 +266,8 @@ class Planner:
             raise ValueError(f"stage_capacity must be >= 0, got {stage_capacity}")
         self.stage_capacity = stage_capacity
         self.ahead = CopyAhead(num_layers, prefetch_limit, alpha=stats_alpha)
+        self.ahead_from = ahead_from
+        self._routed: list[np.ndarray | None] = [None] * num_layers  # [E] counts, last forward
         self.allocation, self.retention, self.compensation = allocation, retention, compensation
         self.cost = cost
         self.stats_alpha = stats_alpha
@@ -287,11 +304,12 @@ class Planner:
         retention: RetentionPolicy | None = None,
         compensation: CompensationPolicy | None = None,
         prefetch_limit: int = 0,
+        ahead_from: AheadFrom = "router",
         compiled: bool | None = None,
     ) -> Planner:
         """A planner for `num_layers` MoE layers of `num_experts` experts (top-k routing) over
         `total_slots` cache slots, with the given policies and OLED's own where one is None
-        (oled.policies.with_oled_defaults); `compiled` as in Planner."""
+        (oled.policies.with_oled_defaults); `ahead_from`, `compiled` as in Planner."""
         policies = with_oled_defaults(
             allocation=allocation, retention=retention, compensation=compensation
         )
@@ -303,6 +321,7 @@ class Planner:
             stage_capacity=stage_capacity,
             cost=cost,
             prefetch_limit=prefetch_limit,
+            ahead_from=ahead_from,
             compiled=compiled,
             **policies,
         )
@@ -435,8 +454,11 @@ class Planner:
             self.gpu_only = before
 
     def begin_step(self, *, step: int, block: int) -> None:
-        """Optional: name the forward about to run (else inferred from `observe`)."""
+        """Optional: name the forward about to run (else inferred from `observe`); step 0 starts
+        a generation, with no forward before it to copy ahead from."""
         self.step, self.block = step, block
+        if step == 0:
+            self._routed = [None] * self.num_layers
 
     def prefill(self, layer: int, experts: np.ndarray) -> None:
         """Warm a cache at load time (no copy counted): fills free slots in the given order."""
@@ -465,9 +487,20 @@ class Planner:
     def plan(
         self, layer: int, ids: np.ndarray, weights: np.ndarray, load: Load | None = None
     ) -> LayerPlan:
-        """Plan one MoE layer for one forward: routing ids/weights [T, K]."""
+        """Plan one MoE layer for one forward: routing ids/weights [T, K]; with ahead_from
+        "previous", also the copies ahead into the next layer (LayerPlan.ahead_*)."""
         if self.native is not None:
-            return self.native.plan(layer, ids, weights, load)
+            plan = self.native.plan(layer, ids, weights, load)
+        else:
+            plan = self._plan(layer, ids, weights, load)
+        if self.ahead_from == "previous" and self.ahead.limit:
+            self._ahead_from_previous(layer, ids, plan)
+        return plan
+
+    def _plan(
+        self, layer: int, ids: np.ndarray, weights: np.ndarray, load: Load | None
+    ) -> LayerPlan:
+        """The reference plan (plan.c computes the same)."""
         cache, ret = self.caches[layer], self.retention
         # few numpy calls: on the hot path each costs microseconds (its code is cold there)
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)  # [E] tokens per expert
@@ -576,16 +609,23 @@ class Planner:
 
     def prefetch(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Copy ahead for `layer`'s coming forward: the experts that its predicted routing ids
-        [T, K] names and its cache lacks, most predicted tokens first, at most
-        `prefetch_limit`, into free slots or those of cached experts the prediction does not
-        name; (experts, slots) to copy now. None are copied while the layer's predictions
-        have not paid (CopyAhead); they are only scored then."""
-        cache = self.caches[layer]
+        [T, K] names and its cache lacks (Planner._copy_ahead, at most `prefetch_limit`);
+        (experts, slots) to copy now."""
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)  # [E]
+        return self._copy_ahead(layer, counts, self.prefetch_limit)
+
+    def _copy_ahead(
+        self, layer: int, counts: np.ndarray, limit: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The experts that `counts` [E] (predicted tokens per expert) names and `layer`'s cache
+        lacks, most tokens first, at most `limit`, placed into free slots or those of cached
+        experts the prediction does not name; (experts, slots) to copy now. None are copied
+        while the layer's predictions have not paid (CopyAhead); they are only scored then."""
+        cache = self.caches[layer]
         named = counts > 0
         want = (named & (cache.slot_of < 0)).nonzero()[0]
-        if len(want) > self.prefetch_limit:
-            want = want[np.argsort(-counts[want], kind="stable")[: self.prefetch_limit]]
+        if len(want) > limit:
+            want = want[np.argsort(-counts[want], kind="stable")[:limit]]
         if not len(want) or not self.ahead.copies(layer):
             self.ahead.remember(layer, want, copied=False)
             return _EMPTY, _EMPTY
@@ -600,6 +640,35 @@ class Planner:
         c[K.evictions] += len(victims)
         c[K.predicted] += len(experts)
         return experts, slots
+
+    def _ahead_from_previous(self, layer: int, ids: np.ndarray, plan: LayerPlan) -> None:
+        """Into `plan`: copies ahead for the next layer of what it routed the forward before,
+        as many as the link's spare time holds (spare_copies), at most `prefetch_limit`. Then
+        remember this layer's routing for the next forward."""
+        nxt, routed = layer + 1, self._routed
+        before = routed[nxt] if nxt < self.num_layers else None
+        if before is not None:
+            n = min(self.spare_copies(plan), self.prefetch_limit)
+            experts, slots = self._copy_ahead(nxt, before, n)
+            if len(experts):
+                plan.ahead_layer, plan.ahead_experts, plan.ahead_slots = nxt, experts, slots
+        routed[layer] = np.bincount(ids.reshape(-1), minlength=self.num_experts)  # [E]
+
+    def spare_copies(self, plan: LayerPlan) -> int:
+        """Copies that fit, by the cost model, between the end of `plan`'s copies and the
+        next layer's demand copies (its layer end plus the work between layers), so that
+        copies ahead never delay a demand miss when the model holds."""
+        c = self.cost
+        n_copy = len(plan.copy_experts) + len(plan.stage_experts)
+        n_hits = len(plan.hits)
+        copy_end = c.copy_ms(n_copy)
+        gpu_end = c.gpu_ms(n_hits)
+        if n_copy:
+            late = len(plan.gpu_experts) - n_hits + len(plan.stage_experts)
+            gpu_end = max(gpu_end, copy_end) + c.gpu_ms(late)
+        cpu_end = float(np.sum(c.cpu_ms(plan.cpu_tokens))) if len(plan.cpu_experts) else 0.0
+        spare = max(gpu_end, cpu_end) + c.layer_ms - copy_end - c.copy_fixed_ms
+        return max(0, int(spare // c.copy_ms_per_expert)) if c.copy_ms_per_expert > 0 else 0
 
     def _room(self, layer: int, n: int, protect: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Up to n cache slots for new experts: free ones first, then those of the retention

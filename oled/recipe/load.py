@@ -241,6 +241,7 @@ def validate(
         component = getattr(recipe.policy, kind)
         if component is not None:
             _check_component(kind, component, where, check_params=kind not in skip)
+            _resolve_paths(kind, component, base, where)
     if recipe.tune is not None:
         _check_tuned_keys(raw, recipe.tune, where, skip, base)
         _check_study_trace(recipe, where, base)
@@ -294,13 +295,10 @@ def _check_study_trace(recipe: Recipe, where: Locator, base: Path | None) -> Non
 
 
 def trace_meta(path: Path) -> Any:
-    """A trace file's TraceMeta (its header only)."""
-    from safetensors import safe_open
+    """A trace file's TraceMeta (its header only, where it is not compressed)."""
+    from oled.trace.format import read_meta
 
-    from oled.trace.format import TraceMeta
-
-    with safe_open(str(path), framework="np") as f:
-        return TraceMeta.from_strings(f.metadata() or {})
+    return read_meta(path)
 
 
 def model_config(model: str) -> ModelConfig | None:
@@ -370,6 +368,22 @@ def _check_component(kind: str, component: Component, where: Locator, check_para
         model.model_validate(component.model_dump())
     except ValidationError as exc:
         raise RecipeError(where.describe(exc, model, prefix=loc)) from None
+
+
+def _resolve_paths(kind: str, component: Component, base: Path | None, where: Locator) -> None:
+    """A component's file parameters (its class's `path_params`) taken from `base` where
+    relative; a RecipeError on the parameter's line where the file is missing."""
+    params = component.model_extra or {}
+    for name in getattr(reg.registry(kind).get(component.kind), "path_params", ()):
+        value = params.get(name)
+        if not isinstance(value, str):
+            continue
+        path = Path(value).expanduser()
+        if base is not None and not path.is_absolute():
+            path = base / path
+        if not path.is_file():
+            raise RecipeError(where.line(("policy", kind, name), f"no such file: {path}"))
+        params[name] = str(path)
 
 
 def _check_tuned_keys(

@@ -81,6 +81,9 @@ class RuntimeSection(Strict):
         default=8, ge=1
     )  # experts per round of uncached copies (2 rounds held)
     prefetch: int = Field(default=0, ge=0)  # experts per MoE layer copied a layer ahead (0 = off)
+    # what the copies ahead follow: the next layer's router on this layer's input, or what the
+    # next layer routed the forward before (on the link's spare time; replays can judge it)
+    ahead_from: Literal["router", "previous"] = "router"
     cost: str = "calibrate"  # "calibrate" or a cost profile name such as "h200"
     cuda_graphs: bool = True  # replay forwards as CUDA graphs on CUDA (the same tokens)
     kernels: Literal["auto", "triton", "torch"] = "auto"  # fused Triton kernels on CUDA
@@ -92,7 +95,7 @@ class RuntimeSection(Strict):
     # how misses cross the link: bf16 rows, encoded bit-exact, or fp8 / int4 (lossy: other tokens)
     transfer: Literal["plain", "lossless", "fp8", "int4"] = "plain"
 
-    @field_validator("kernels", "transfer", mode="before")
+    @field_validator("kernels", "transfer", "ahead_from", mode="before")
     @classmethod
     def _known(cls, value: Any, info: ValidationInfo) -> Any:
         """A name outside the choices, said as the runtime's own checks say it."""
@@ -345,6 +348,7 @@ HASHED_WHEN_SET = {
     ("runtime", "max_batch"): 8,
     ("runtime", "transfer"): "plain",
     ("runtime", "max_queue"): 64,
+    ("runtime", "ahead_from"): "router",
 }
 
 

@@ -5,13 +5,19 @@ Stored as safetensors (`safetensors.numpy`). Rows of all steps are concatenated;
 
 tensors: ids [L, R, K] int16 (stored as uint8 when every id fits, as for 256 experts),
 weights [L, R, K] float16|float32, token_state [R] int8, confidence [R] float32,
-row_offsets [S + 1] int64, block / iteration / step [S] int32.
+row_offsets [S + 1] int64, block / iteration / step [S] int32; optionally (version 2) the
+router's ranking: ranked_ids [L, R, C] (uint8 like ids) and ranked_scores [L, R, C] uint8, the C
+experts of highest selection score (sigmoid score plus expert bias, before the group limit), best
+first, and their sigmoid scores in steps of 1/255.
 metadata: format "oled-trace", version, num_moe_layers, num_experts, top_k, expert_bytes,
 hidden_size, model_path, prompt_count.
 """
 
 from __future__ import annotations
 
+import json
+import lzma
+import struct
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +27,8 @@ import numpy as np
 from oled.policies.base import StepContext
 
 FORMAT = "oled-trace"
-VERSION = "1"
+VERSION = "2"  # 2: the optional router ranking; version 1 files read as before
+SCORE_STEPS = 255  # ranked_scores on disk: round(score x 255) as uint8
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,23 @@ class Trace:
     block: np.ndarray  # [S] int32
     iteration: np.ndarray  # [S] int32
     step: np.ndarray  # [S] int32
+    ranked_ids: np.ndarray | None = None  # [L, R, C] int16: the router's C best, best first
+    ranked_scores: np.ndarray | None = None  # [L, R, C] float32: their sigmoid scores
+
+    @property
+    def ranks(self) -> int:
+        """C: how many of the router's best experts each row records (0: none)."""
+        return 0 if self.ranked_ids is None else self.ranked_ids.shape[2]
+
+    def ranking(self, s: int) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Per-layer (ranked ids int64 [T, C], scores float32 [T, C]) of step index s, or None
+        where the trace records no ranking."""
+        if self.ranked_ids is None or self.ranked_scores is None:
+            return None
+        a, b = self.row_offsets[s], self.row_offsets[s + 1]
+        ids = self.ranked_ids[:, a:b].astype(np.int64)
+        scores = self.ranked_scores[:, a:b]
+        return [(ids[layer], scores[layer]) for layer in range(self.meta.num_moe_layers)]
 
     @property
     def num_steps(self) -> int:
@@ -103,13 +127,15 @@ class Trace:
         for s in range(self.num_steps):
             yield self.context(s), self.routing(s)
 
-    def save(self, path: str | Path) -> None:
-        """Write a safetensors trace file."""
-        from safetensors.numpy import save_file
+    def save(self, path: str | Path, *, compress: bool = False) -> None:
+        """Write a safetensors trace file; `compress`: xz-compressed (about 2.5x smaller, for
+        traces kept in a repository; slower to write, read the same way)."""
+        from safetensors.numpy import save, save_file
 
         small = self.meta.num_experts <= 256 and (self.ids.size == 0 or self.ids.min() >= 0)
+        id_type = np.uint8 if small else np.int16
         tensors = {
-            "ids": np.ascontiguousarray(self.ids, np.uint8 if small else np.int16),
+            "ids": np.ascontiguousarray(self.ids, id_type),
             "weights": np.ascontiguousarray(self.weights),
             "token_state": np.ascontiguousarray(self.token_state, np.int8),
             "confidence": np.ascontiguousarray(self.confidence, np.float32),
@@ -118,40 +144,66 @@ class Trace:
             "iteration": np.ascontiguousarray(self.iteration, np.int32),
             "step": np.ascontiguousarray(self.step, np.int32),
         }
+        if self.ranked_ids is not None and self.ranked_scores is not None:
+            tensors["ranked_ids"] = np.ascontiguousarray(self.ranked_ids, id_type)
+            quantised = np.rint(np.clip(self.ranked_scores, 0, 1) * SCORE_STEPS)
+            tensors["ranked_scores"] = np.ascontiguousarray(quantised, np.uint8)
         metadata = {"format": FORMAT, "version": VERSION, **self.meta.to_strings()}
-        save_file(tensors, str(path), metadata=metadata)
+        if compress:
+            Path(path).write_bytes(lzma.compress(save(tensors, metadata=metadata)))
+        else:
+            save_file(tensors, str(path), metadata=metadata)
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
-        """Read a trace file; ValueError naming the file if it is not one."""
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="np") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != FORMAT:
-                    raise ValueError("no 'oled-trace' format tag in its metadata")
-                t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-            t["ids"] = t["ids"].astype(np.int16, copy=False)  # uint8 on disk for <= 256 experts
-            return cls(meta=TraceMeta.from_strings(meta), **t)
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # safetensors raises its own error type for non-safetensors files
-            raise ValueError(f"{path} is not an OLED-MoE trace file: {e}") from e
+        """Read a trace file (plain or compressed); ValueError naming the file if it is not
+        one."""
+        meta, t = _read(path, None)
+        t["ids"] = t["ids"].astype(np.int16, copy=False)  # uint8 on disk for <= 256 experts
+        if "ranked_ids" in t:
+            t["ranked_ids"] = t["ranked_ids"].astype(np.int16, copy=False)
+            t["ranked_scores"] = t["ranked_scores"].astype(np.float32) / SCORE_STEPS
+        return cls(meta=TraceMeta.from_strings(meta), **t)
 
 
-def prompt_count(path: str | Path) -> int:
-    """How many generations a trace file holds (where `step` restarts at 0), reading only its
-    header and step index; ValueError naming the file if it is not a trace."""
+XZ_MAGIC = b"\xfd7zXZ\x00"
+
+
+def _read(path: str | Path, names: tuple[str, ...] | None) -> tuple[dict, dict[str, np.ndarray]]:
+    """(metadata, tensors) of a trace file, plain or xz-compressed: those in `names`, or all;
+    FileNotFoundError, or ValueError naming the file if it is not a trace."""
     from safetensors import safe_open
+    from safetensors.numpy import load
 
     if not Path(path).is_file():
         raise FileNotFoundError(path)
     try:
-        with safe_open(str(path), framework="np") as f:
-            if (f.metadata() or {}).get("format") != FORMAT:
-                raise ValueError("no 'oled-trace' format tag in its metadata")
-            step = f.get_tensor("step")
+        with open(path, "rb") as f:
+            compressed = f.read(len(XZ_MAGIC)) == XZ_MAGIC
+        if compressed:
+            data = lzma.decompress(Path(path).read_bytes())
+            (size,) = struct.unpack("<Q", data[:8])
+            meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+            tensors = load(data)
+        else:
+            with safe_open(str(path), framework="np") as f:
+                meta = f.metadata() or {}
+                keys = [k for k in f.keys() if names is None or k in names]  # noqa: SIM118
+                tensors = {k: f.get_tensor(k) for k in keys}
+        if meta.get("format") != FORMAT:
+            raise ValueError("no 'oled-trace' format tag in its metadata")
     except Exception as e:  # safetensors raises its own error type for non-safetensors files
         raise ValueError(f"{path} is not an OLED-MoE trace file: {e}") from e
-    return int((step == 0).sum())
+    return meta, {k: v for k, v in tensors.items() if names is None or k in names}
+
+
+def read_meta(path: str | Path) -> TraceMeta:
+    """A trace file's TraceMeta (reading only its header where it is not compressed)."""
+    return TraceMeta.from_strings(_read(path, ())[0])
+
+
+def prompt_count(path: str | Path) -> int:
+    """How many generations a trace file holds (where `step` restarts at 0), reading only its
+    header and step index where it is not compressed; ValueError naming the file if it is not
+    a trace."""
+    return int((_read(path, ("step",))[1]["step"] == 0).sum())

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from oled.decoding.observers import DecodeObserver, IterationInfo
@@ -14,6 +15,7 @@ from oled.progress import track
 if TYPE_CHECKING:
     from oled.decoding.config import DecodeConfig
     from oled.decoding.follow import Trajectory
+    from oled.model.model import MoE
     from oled.runtime import Runtime
     from oled.trace.format import Trace
     from oled.trace.recorder import TraceRecorder
@@ -34,11 +36,17 @@ class _StepRecorder(DecodeObserver):
         self.recorder.record_step(step_context(info))
 
 
-def recording(runtime: Runtime) -> tuple[TraceRecorder, DecodeObserver, Callable[[], None]]:
-    """A recorder for `runtime`'s model and the two hooks that feed it.
+RANKS = 16  # the router's best experts recorded per row (the top-k and those just below)
+
+
+def recording(
+    runtime: Runtime, ranks: int = 0
+) -> tuple[TraceRecorder, DecodeObserver, Callable[[], None]]:
+    """A recorder for `runtime`'s model and the hooks that feed it; with `ranks` > 0 also each
+    row's `ranks` best experts by the router's selection score, and their scores.
 
     Returns (recorder, observer, remove): pass `observer` to `Runtime.stream`; call `remove()`
-    to detach the routing hook.
+    to detach the hooks.
     """
     from oled.trace.recorder import TraceRecorder
 
@@ -55,7 +63,31 @@ def recording(runtime: Runtime) -> tuple[TraceRecorder, DecodeObserver, Callable
     def hook(layer: int, ids: Tensor, weights: Tensor) -> None:
         recorder.record_routing(layer, ids.cpu().numpy(), weights.float().cpu().numpy())
 
-    return recorder, _StepRecorder(recorder), runtime.model.add_routing_hook(hook)
+    removers = [runtime.model.add_routing_hook(hook)]
+    ranks = min(ranks, cfg.num_experts)
+    if ranks:
+        removers += [_rank_hook(block, recorder, ranks) for block in runtime.model.moe_blocks]
+
+    def remove() -> None:
+        for r in removers:
+            r()
+
+    return recorder, _StepRecorder(recorder), remove
+
+
+def _rank_hook(block: MoE, recorder: TraceRecorder, ranks: int) -> Callable[[], None]:
+    """A forward hook on `block`'s router that hands its `ranks` best experts to `recorder`."""
+    from oled.model.layers import router_logits
+
+    gate = block.gate
+
+    def hook(_module: object, inputs: tuple[Tensor, ...], _out: object) -> None:
+        scores = torch.sigmoid(router_logits(inputs[0], gate.weight))  # [T, E]
+        best = (scores + gate.expert_bias.float()).topk(ranks, dim=-1).indices  # [T, C]
+        best_scores = scores.gather(1, best)  # [T, C]
+        recorder.record_ranking(block.moe_index, best.cpu().numpy(), best_scores.cpu().numpy())
+
+    return gate.register_forward_hook(hook).remove
 
 
 def record(
@@ -65,11 +97,13 @@ def record(
     decode: DecodeConfig | None = None,
     follow: Trajectory | None = None,
     progress: bool = False,
+    ranks: int = RANKS,
 ) -> Trace:
     """Decode each prompt with `runtime` (its decode settings unless `decode`; committing
-    `follow`'s tokens if given), recording per forward and MoE layer the routing: the Trace.
+    `follow`'s tokens if given), recording per forward and MoE layer the routing and the
+    router's `ranks` best experts with their scores: the Trace.
     `progress`: a bar per prompt on a terminal (oled.progress.track)."""
-    recorder, observer, remove = recording(runtime)
+    recorder, observer, remove = recording(runtime, ranks)
     try:
         for ids in track(prompt_ids, "recording", show=progress):
             for _ in runtime.stream(ids, decode=decode, observers=[observer], follow=follow):

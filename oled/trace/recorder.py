@@ -35,8 +35,10 @@ class TraceRecorder:
         self.weight_dtype = np.dtype(weight_dtype)
         self.prompt_count = 0
         self._pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._pending_ranked: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._ids: list[np.ndarray] = []  # per step [L, T, K]
         self._weights: list[np.ndarray] = []
+        self._ranked: list[tuple[np.ndarray, np.ndarray]] = []  # per step ([L, T, C], [L, T, C])
         self._ctx: list[StepContext] = []
 
     def new_prompt(self) -> None:
@@ -53,6 +55,14 @@ class TraceRecorder:
             np.asarray(weights).astype(self.weight_dtype),
         )
 
+    def record_ranking(self, layer: int, ids: np.ndarray, scores: np.ndarray) -> None:
+        """The router's best experts [T, C] and their scores [T, C] of one MoE layer in the
+        current forward (optional; recorded for every layer and forward or for none)."""
+        moe = layer - self.first_moe_layer
+        if not 0 <= moe < self.meta.num_moe_layers:
+            raise ValueError(f"layer {layer} is not a MoE layer of this recorder")
+        self._pending_ranked[moe] = (np.asarray(ids, np.int16), np.asarray(scores, np.float32))
+
     def record_step(self, ctx: StepContext) -> None:
         """Close the current forward with its context (all MoE layers must have been recorded)."""
         n = self.meta.num_moe_layers
@@ -67,8 +77,15 @@ class TraceRecorder:
             )
         self._ids.append(np.stack([self._pending[i][0] for i in range(n)]))
         self._weights.append(np.stack([self._pending[i][1] for i in range(n)]))
+        if self._pending_ranked or self._ranked:
+            if len(self._pending_ranked) != n or len(self._ranked) != len(self._ctx):
+                raise ValueError(f"step {ctx.step}: a ranking for some forwards or layers only")
+            ranked = [self._pending_ranked[i] for i in range(n)]
+            self._ranked.append(
+                (np.stack([r[0] for r in ranked]), np.stack([r[1] for r in ranked]))
+            )
         self._ctx.append(ctx)
-        self._pending = {}
+        self._pending, self._pending_ranked = {}, {}
 
     def __len__(self) -> int:
         return len(self._ctx)
@@ -91,4 +108,6 @@ class TraceRecorder:
             block=np.array([c.block for c in self._ctx], np.int32),
             iteration=np.array([c.iteration for c in self._ctx], np.int32),
             step=np.array([c.step for c in self._ctx], np.int32),
+            ranked_ids=cat([r[0] for r in self._ranked], axis=1) if self._ranked else None,
+            ranked_scores=cat([r[1] for r in self._ranked], axis=1) if self._ranked else None,
         )

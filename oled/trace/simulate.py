@@ -4,12 +4,15 @@ Timeline of one MoE layer (all times in ms, from the layer's start t0 = previous
 cost.layer_ms): the GPU computes the hits at once (gpu_ms(hits)); copies run on one copy-engine
 queue (copy_ms(copies + staged)), then the GPU computes the copied experts (gpu_ms(n)); the
 CPU runs its experts one after another (sum of cpu_ms(tokens)) in parallel. The layer ends when
-the GPU and the CPU are both done. Stall = time the GPU waits for copies after its hits.
+the GPU and the CPU are both done. Copies ahead into the next layer (LayerPlan.ahead_*) queue
+behind the layer's own; that layer's hits wait for them. Stall = time the GPU waits for copies
+(after its hits, or before them for copies ahead).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,8 +24,9 @@ from oled.policies.base import (
     CostModel,
     Load,
     RetentionPolicy,
+    StepContext,
 )
-from oled.policies.planner import LayerPlan, Planner
+from oled.policies.planner import AheadFrom, LayerPlan, Planner
 from oled.trace.format import Trace
 
 if TYPE_CHECKING:
@@ -42,6 +46,8 @@ class SimResult:
     copies_per_iteration: float
     gb_copied_per_iteration: float
     stall_ms: float  # total over the trace
+    copy_ms_per_iteration: float  # link time per forward (modelled), copies ahead included
+    hidden_copy_share: float  # of the link time, the share the GPU did not wait for
     ms_per_iteration: float  # mean modelled forward time
     p90_ms_per_iteration: float
     iterations: int
@@ -64,16 +70,32 @@ class _Clock:
     copy_free: float = 0.0
     cpu_free: float = 0.0
     stall: float = 0.0
+    copy_busy: float = 0.0  # link time, all forwards
+    ahead: dict[int, float] = field(default_factory=dict)  # layer -> its copies ahead done
+
+    def shift(self, t: float) -> None:
+        """A new forward starts at `t` of the last one's clock."""
+        self.copy_free = max(0.0, self.copy_free - t)
+        self.cpu_free = max(0.0, self.cpu_free - t)
+        self.ahead = {k: max(0.0, v - t) for k, v in self.ahead.items()}
+
+    def copy(self, t0: float, n: int, cost: CostModel) -> float:
+        """Queue n copies on the link from t0; returns when they are done."""
+        ms = float(cost.copy_ms(n))
+        self.copy_free = max(t0, self.copy_free) + ms
+        self.copy_busy += ms
+        return self.copy_free
 
     def layer(self, t0: float, plan: LayerPlan, cost: CostModel) -> float:
         """Advance through one layer; returns its end time."""
+        ready = self.ahead.pop(plan.layer, t0)  # copies ahead into this layer's slots
+        self.stall += max(0.0, ready - t0)
         n_hits = len(plan.hits)
         # counts are ints, so the costs are floats (arrays of counts give arrays)
-        gpu_end = t0 + float(cost.gpu_ms(n_hits))
+        gpu_end = max(t0, ready) + float(cost.gpu_ms(n_hits))
         n_copy = len(plan.copy_experts) + len(plan.stage_experts)
         if n_copy:
-            copy_done = max(t0, self.copy_free) + float(cost.copy_ms(n_copy))
-            self.copy_free = copy_done
+            copy_done = self.copy(t0, n_copy, cost)
             n_late = len(plan.gpu_experts) - n_hits + len(plan.stage_experts)
             if n_late:
                 self.stall += max(0.0, copy_done - gpu_end)
@@ -83,6 +105,8 @@ class _Clock:
             work = float(np.sum(cost.cpu_ms(plan.cpu_tokens)))
             cpu_end = max(t0, self.cpu_free) + work
             self.cpu_free = cpu_end
+        if len(plan.ahead_experts):
+            self.ahead[plan.ahead_layer] = self.copy(t0, len(plan.ahead_experts), cost)
         return max(gpu_end, cpu_end)
 
 
@@ -95,8 +119,12 @@ def simulate(
     cost: CostModel,
     total_slots: int,
     stage_capacity: int = 8,
+    prefetch_limit: int = 0,
+    ahead_from: AheadFrom = "router",
 ) -> SimResult:
-    """Replay `trace` through a fresh Planner built from these policy objects."""
+    """Replay `trace` through a fresh Planner built from these policy objects. Copies ahead
+    replay with ahead_from "previous" (the trace's own past forwards); the "router"
+    prediction needs the model, so a replay makes none."""
     m = trace.meta
     planner = Planner.for_model(
         m.num_moe_layers,
@@ -108,38 +136,68 @@ def simulate(
         allocation=allocation,
         retention=retention,
         compensation=compensation,
+        prefetch_limit=prefetch_limit if ahead_from == "previous" else 0,
+        ahead_from=ahead_from,
     )
     step_ms = np.zeros(trace.num_steps)
     history = np.zeros((trace.num_steps, m.num_moe_layers), np.int64)
     clock = _Clock()
-    prev_block = None
     before = _RoutedBefore(m.num_moe_layers)
+    t = 0.0
+
+    def on_step(s: int, ctx: StepContext) -> None:
+        nonlocal t
+        if s:
+            step_ms[s - 1] = t
+            clock.shift(t)
+        if ctx.step == 0:  # a new generation: nothing routed before it
+            before.reset()
+        history[s] = planner.capacities
+        t = 0.0
+
+    def plan(layer: int, ids: np.ndarray, w: np.ndarray) -> None:
+        nonlocal t
+        t0 = t + cost.layer_ms
+        load = Load(
+            copy_queue_ms=max(0.0, clock.copy_free - t0),
+            cpu_queue_ms=max(0.0, clock.cpu_free - t0),
+        )
+        p = planner.plan(layer, ids, w, load)
+        before.count(layer, p)
+        t = clock.layer(t0, p, cost)
+
+    drive(trace, planner, plan, on_step)
+    if trace.num_steps:
+        step_ms[-1] = t
+    result = _result(trace, planner, step_ms, history, clock, cost)
+    result.misses_routed_before = before.share()
+    return result
+
+
+def drive(
+    trace: Trace,
+    planner: Planner,
+    plan: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+    on_step: Callable[[int, StepContext], None] | None = None,
+) -> None:
+    """Drive `planner` through every forward of `trace`: blocks ended where the block changes,
+    each MoE layer planned (by `plan(layer, ids, weights)`, default `planner.plan` with no
+    load) and then observed; `on_step(s, ctx)` before forward s is planned."""
+    prev_block = None
     for s, (ctx, routing) in enumerate(trace):
         if prev_block is not None and ctx.block != prev_block:
             planner.end_block()
         prev_block = ctx.block
         planner.begin_step(step=ctx.step, block=ctx.block)
-        if ctx.step == 0:  # a new generation: nothing routed before it
-            before.reset()
-        history[s] = planner.capacities
-        t = 0.0
+        if on_step is not None:
+            on_step(s, ctx)
         for layer, (ids, w) in enumerate(routing):
-            t0 = t + cost.layer_ms
-            load = Load(
-                copy_queue_ms=max(0.0, clock.copy_free - t0),
-                cpu_queue_ms=max(0.0, clock.cpu_free - t0),
-            )
-            plan = planner.plan(layer, ids, w, load)
-            before.count(layer, plan)
-            t = clock.layer(t0, plan, cost)
+            if plan is None:
+                planner.plan(layer, ids, w, Load())
+            else:
+                plan(layer, ids, w)
         for layer, (ids, w) in enumerate(routing):
             planner.observe(layer, ids, w, ctx)
-        step_ms[s] = t
-        clock.copy_free = max(0.0, clock.copy_free - t)
-        clock.cpu_free = max(0.0, clock.cpu_free - t)
-    result = _result(trace, planner, step_ms, history, clock.stall, cost)
-    result.misses_routed_before = before.share()
-    return result
 
 
 def _result(
@@ -147,7 +205,7 @@ def _result(
     planner: Planner,
     step_ms: np.ndarray,
     history: np.ndarray,
-    stall: float,
+    clock: _Clock,
     cost: CostModel,
 ) -> SimResult:
     st = planner.stats
@@ -163,7 +221,11 @@ def _result(
         cpu_share=float(st.cpu_tokens.sum() / max(1, pairs)),
         copies_per_iteration=copies / n,
         gb_copied_per_iteration=copies * cost.expert_bytes / n / 1e9,
-        stall_ms=float(stall),
+        stall_ms=float(clock.stall),
+        copy_ms_per_iteration=clock.copy_busy / n,
+        hidden_copy_share=1 - min(clock.stall, clock.copy_busy) / clock.copy_busy
+        if clock.copy_busy
+        else 1.0,
         ms_per_iteration=float(step_ms.mean()) if len(step_ms) else 0.0,
         p90_ms_per_iteration=float(np.percentile(step_ms, 90)) if len(step_ms) else 0.0,
         iterations=trace.num_steps,

@@ -25,6 +25,10 @@ Figures (per MoE layer, then the mean over layers; `None` in the JSON where noth
   the expert in the layer's all-rows set at s + 1; the fraction of pairs, and the same weighted
   by the gate weight; per group. Gate weight per group: mean weight of a (row, expert) pair and
   mean top-1 weight of a row, over the block rows of every decode step.
+- ranking (traces that record the router's C best experts per row): per decode step s whose
+  s + 1 is the same prompt's, the near misses (experts that masked block rows rank without the
+  layer routing to them at s), the experts entering at s + 1 (in its all-rows set, not in s's),
+  the share of those that a near miss named, and the share of near misses that enter.
 - skew: per layer over every row of the trace, load = routed (row, expert) pairs per expert;
   share of the load taken by the top 10% of experts (ceil(0.1 E)), coefficient of variation
   (std / mean, population std) of the load, experts with no load.
@@ -329,6 +333,32 @@ def _skew(ids: np.ndarray, experts: int) -> dict[str, Any]:
     }
 
 
+def _ranking(trace: Trace, lay: _Layout, p_all: np.ndarray) -> dict[str, Any] | None:
+    """What the router's ranking below the top-k says about the next forward: per decode step s
+    whose s + 1 is the same prompt's, the experts that masked rows rank (1..C) without routing
+    to them ("near misses"), how many the layer's set at s lacks, and the share of the experts
+    entering at s + 1 (in its set, not in s's) that they name. None without a ranking."""
+    if trace.ranked_ids is None:
+        return None
+    S, E = len(lay.rows), trace.meta.num_experts
+    ranked = trace.ranked_ids.astype(np.int64)  # [L, R, C]
+    masked = lay.block_row & (trace.token_state == TOKEN_MASKED)  # [R]
+    near = _presence(ranked, lay.step_of_row, masked, S, E) & ~p_all  # [L, S, E]
+    i = np.zeros(0, np.int64)  # [P] decode steps s whose s + 1 is the same prompt's
+    if S > 1:
+        i = np.flatnonzero(lay.decode[:-1] & (lay.prompt[:-1] == lay.prompt[1:]))
+    entering = p_all[:, i + 1] & ~p_all[:, i]  # [L, P, E]
+    named = (entering & near[:, i]).sum(-1)  # [L, P]
+    every = np.ones(len(i), bool)
+    return {
+        "ranks": trace.ranks,
+        "near_misses": _fig(_col_mean(near[:, i].sum(-1).astype(np.float64), every)),
+        "entering": _fig(_col_mean(entering.sum(-1).astype(np.float64), every)),
+        "entering_named": _fig(named.sum(1) / np.maximum(1, entering.sum((1, 2)))),
+        "near_misses_entering": _fig(named.sum(1) / np.maximum(1, near[:, i].sum((1, 2)))),
+    }
+
+
 def _size(trace: Trace, lay: _Layout) -> dict[str, Any]:
     """Counts of prompts, forwards, blocks and rows, and the model's shape."""
     m = trace.meta
@@ -375,6 +405,7 @@ def trace_stats(
         "reuse_by_state": _reuse_by_state(ids, weights, p_all, lay, r),
         "gate_weight": _gate_weight(weights, lay),
         "skew": _skew(ids, E),
+        "ranking": _ranking(trace, lay, p_all),
     }
 
 
@@ -471,6 +502,16 @@ def _rows() -> list[tuple[str, Any]]:
             "unused experts/layer (total)",
             lambda r: lm("skew", "unused_experts", fmt=one)(r) + f" ({r['skew']['unused_total']})",
         ),
+    ]
+
+    def ranked(key: str, fmt: str = "{:.3f}") -> Cell:
+        return lambda r: "-" if r["ranking"] is None else lm("ranking", key, fmt=fmt)(r)
+
+    out += [
+        ("near misses/layer (ranked by masked rows, not routed)", ranked("near_misses", one)),
+        ("experts entering at s+1 per layer", ranked("entering", one)),
+        ("  share a near miss at s named", ranked("entering_named")),
+        ("near misses at s that enter at s+1", ranked("near_misses_entering")),
     ]
     return out
 

@@ -45,6 +45,9 @@ class TrainConfig:
     eval_every: int = 25
     eval_batches: int = 4
     save_every_minutes: float = 5.0
+    stop_minutes: float = 0.0  # end this process after this long, resumable (0: at the end)
+    stop_step: int = 0  # end this process at this step, resumable (0: at the end)
+    resume: bool = False  # continue from `out`/state.pt where it exists
     cache: str = "~/.cache/oled/train-data"
     preset: str = "default"
 
@@ -105,6 +108,10 @@ def parse_config(argv: list[str] | None) -> TrainConfig:
     defaults = replace(TrainConfig(), preset=name, **PRESETS[name])
     ap = argparse.ArgumentParser(description=DESCRIPTION)
     for key, value in asdict(defaults).items():
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            continue
         kw: dict[str, Any] = {"choices": sorted(PRESETS)} if key == "preset" else {}
-        ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value, **kw)
+        ap.add_argument(flag, type=type(value), default=value, **kw)
     return TrainConfig(**vars(ap.parse_args(argv)))

@@ -1,12 +1,15 @@
 """The training run: data, model, the step loop with evaluations, progress and exports.
 
 Writes into `cfg.out`: train_config.json (the configuration, the model and the run's figures),
-history.json (a row per evaluation), train.log and checkpoint/.
+history.json (a row per evaluation), train.log and checkpoint/; with `stop_minutes` or `resume`
+also state.pt (weights, optimizer, generators and history), from which `--resume` continues the
+same run in another process, step for step as if it had not stopped.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -105,14 +108,24 @@ def _prepare_data(
 
 def train(run: Run) -> None:
     """Steps until the schedule's end, evaluating every `eval_every` steps and exporting every
-    `save_every_minutes` and at the end."""
+    `save_every_minutes` and at the end; after `stop_minutes` the state is saved and the
+    process ends (or at `stop_step`), for `--resume` to continue."""
     cfg, device = run.cfg, run.device
-    train_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
-    data_gen = torch.Generator().manual_seed(cfg.seed + 2)
+    gens = Generators(
+        torch.Generator(device=device).manual_seed(cfg.seed + 1),
+        torch.Generator().manual_seed(cfg.seed + 2),
+    )
     sched = Schedule(cfg)
-    last_save = sched.t0
-    step = 0
+    step = resume(run, sched, gens) if cfg.resume else 0
+    keep_state = cfg.resume or cfg.stop_minutes > 0 or cfg.stop_step > 0
+    stop_at = time.time() + cfg.stop_minutes * 60 if cfg.stop_minutes > 0 else math.inf
+    last_save = time.time()
+    train_gen, data_gen = gens.train, gens.data
     while step < sched.total:
+        if time.time() > stop_at or step == cfg.stop_step > 0:
+            save_state(run, sched, step, gens)
+            log(run.out, f"stopped at step {step} of {sched.total}: --resume continues")
+            return
         if sched.timing(step):
             _time_steps(run, sched, step)
         lr = cfg.lr * lr_factor(step, sched.total, cfg)
@@ -123,8 +136,91 @@ def train(run: Run) -> None:
             _progress(run, sched, step, lr, loss, ce)
         if time.time() - last_save > cfg.save_every_minutes * 60:
             run.export()
+            if keep_state:
+                save_state(run, sched, step, gens)
             last_save = time.time()
     _finish(run, sched, step)
+    if keep_state:
+        save_state(run, sched, step, gens)
+
+
+@dataclass
+class Generators:
+    """The random streams a run draws from: the objective's (on the device) and the data's."""
+
+    train: torch.Generator
+    data: torch.Generator
+
+
+STATE = "state.pt"
+# flags that may change between a run and its resumption: they do not change what is computed
+RESUMABLE_FLAGS = (
+    "out",
+    "resume",
+    "stop_minutes",
+    "stop_step",
+    "save_every_minutes",
+    "cache",
+    "threads",
+)
+
+
+def save_state(run: Run, sched: Schedule, step: int, gens: Generators) -> None:
+    """Everything `resume` needs, written beside `out`/state.pt and then moved over it."""
+    m = run.learner
+    state = {
+        "config": _fixed_flags(run.cfg),
+        "step": step,
+        "total": sched.total,
+        "minutes": sched.minutes(),
+        "model": m.model.state_dict(),
+        "w13": [w.detach() for w in m.experts.w13],
+        "w2": [w.detach() for w in m.experts.w2],
+        "load": m.experts.load,
+        "opt": m.opt.state_dict(),
+        "train_gen": gens.train.get_state(),
+        "data_gen": gens.data.get_state(),
+        "history": run.history,
+    }
+    tmp = run.out / (STATE + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(run.out / STATE)
+
+
+def resume(run: Run, sched: Schedule, gens: Generators) -> int:
+    """Load `out`/state.pt into the run (a new run if there is none); the step to go on from.
+    ValueError if it was saved with other training flags."""
+    path = run.out / STATE
+    if not path.exists():
+        log(run.out, f"no {STATE} in {run.out}: a new run")
+        return 0
+    state = torch.load(path, map_location=run.device, weights_only=True)
+    changed = {
+        k: (v, state["config"].get(k))
+        for k, v in _fixed_flags(run.cfg).items()
+        if state["config"].get(k) != v
+    }
+    if changed:
+        diff = ", ".join(f"{k}: {old!r} then, {new!r} now" for k, (new, old) in changed.items())
+        raise ValueError(f"{path} was saved by a run with other flags ({diff})")
+    m = run.learner
+    m.model.load_state_dict(state["model"])
+    with torch.no_grad():
+        mine = [*m.experts.w13, *m.experts.w2]
+        for w, saved in zip(mine, [*state["w13"], *state["w2"]], strict=True):
+            w.copy_(saved)
+    m.experts.load.copy_(state["load"])
+    m.opt.load_state_dict(state["opt"])
+    gens.train.set_state(state["train_gen"].cpu())
+    gens.data.set_state(state["data_gen"].cpu())
+    run.history[:] = state["history"]
+    sched.resume(state["step"], state["total"], state["minutes"])
+    log(run.out, f"resumed at step {state['step']} of {state['total']} from {path}")
+    return int(state["step"])
+
+
+def _fixed_flags(cfg: TrainConfig) -> dict:
+    return {k: v for k, v in asdict(cfg).items() if k not in RESUMABLE_FLAGS}
 
 
 def _time_steps(run: Run, sched: Schedule, step: int) -> None:

@@ -47,6 +47,12 @@ class Schedule:
         if self.mark is not None and self.mark[0] < step < self.total:
             self.fit(step, (time.time() - self.mark[1]) / (step - self.mark[0]))
 
+    def resume(self, step: int, total: int, minutes: float) -> None:
+        """Go on at `step` of a run planned to `total` steps that has trained `minutes`."""
+        self.total = total
+        self.t0 = time.time() - minutes * 60
+        self.mark = (step, time.time()) if self.cfg.minutes else None
+
     def minutes(self) -> float:
         return (time.time() - self.t0) / 60
 

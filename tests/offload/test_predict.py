@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import torch
 
+from oled.offload.budget import Budget
 from oled.offload.predict import NextLayerRouting
-from oled.runtime import load_runtime
+from oled.runtime import Runtime, build_runtime, load_runtime
 
 
 def test_prediction_is_the_next_router_on_the_same_residual(tiny_dir):
@@ -40,15 +41,29 @@ def test_equal_norms_predict_with_the_input_as_it_is(tiny_dir):
     assert torch.equal(predict(0, x), model.moe_blocks[1].gate(x)[0])
 
 
+def _copying_ahead(tiny_dir, fraction: float, retention, compensation, **runtime) -> Runtime:
+    """The tiny checkpoint offloaded on the CPU at `fraction` of its experts, copying up to 8
+    experts a layer ahead."""
+    return build_runtime(
+        model=str(tiny_dir),
+        device="cpu",
+        dtype="float32",
+        cost="cpu-ci",
+        budget=Budget("expert_fraction", fraction),
+        retention=retention,
+        compensation=compensation,
+        prefetch=8,
+        **runtime,
+    )
+
+
 def test_recorded_routing_predicts_the_next_layer_exactly(tiny_dir):
     """A trace of the followed generation is a perfect prediction: every expert copied ahead
     is then needed, and the tokens stay the resident ones."""
     from oled.decoding import Trajectory
-    from oled.offload.budget import Budget
     from oled.offload.predict import RecordedRouting
     from oled.policies import compensation as C
     from oled.policies import retention as R
-    from oled.runtime import build_runtime
     from oled.trace.record import record
 
     kw = dict(max_new_tokens=24, threshold=0.6, block_length=8)
@@ -59,19 +74,30 @@ def test_recorded_routing_predicts_the_next_layer_exactly(tiny_dir):
     oracle = RecordedRouting(
         record(resident, [prompt], decode=replace(resident.decode, **kw), follow=trajectory)
     )
-    rt = build_runtime(
-        model=str(tiny_dir),
-        device="cpu",
-        dtype="float32",
-        cost="cpu-ci",
-        budget=Budget("expert_fraction", 0.25),
-        retention=R.LRURetention(),
-        compensation=C.TransferOnly(),
-        prefetch=8,
-    )
+    rt = _copying_ahead(tiny_dir, 0.25, R.LRURetention(), C.TransferOnly())
     rt.executor.predict = oracle
     rt.observers.append(oracle)
     got = rt.generate("Once upon a time", follow=trajectory, **kw).token_ids
     s = rt.stats()
     assert got == want
     assert s["predicted"] > 0 and s["predicted_hits"] == s["predicted"]
+
+
+def test_copies_ahead_from_the_forward_before_give_the_resident_tokens(tiny_dir):
+    """ahead_from "previous": each layer's plan copies ahead into the next layer what that layer
+    routed the forward before and its cache lacks (here: what went to the CPU); the engine
+    issues them after the layer's own copies, and the tokens stay the resident ones."""
+    from oled.policies import compensation as C
+    from oled.policies import retention as R
+
+    kw = dict(max_new_tokens=32, threshold=0.6, block_length=8)
+    resident = load_runtime(str(tiny_dir), device="cpu", dtype="float32")
+    want = resident.generate("Once upon a time", **kw).token_ids
+    rt = _copying_ahead(
+        tiny_dir, 0.75, R.LFURetention(), C.MakespanCompensation(), ahead_from="previous"
+    )
+    assert rt.executor.predict is None  # no router prediction: the planner's own memory
+    got = rt.generate("Once upon a time", **kw).token_ids
+    s = rt.stats()
+    assert got == want
+    assert 0 < s["predicted_hits"] <= s["predicted"] <= s["copies"]

@@ -280,3 +280,66 @@ def test_copies_ahead_stop_where_predictions_miss_and_resume_where_they_hit() ->
     assert all(n == 0 for step, n in copied if 8 <= step < 20)
     assert gate.copies(1) and any(n > 0 for step, n in copied if step >= 25)
     assert planner.stats.predicted_hits[1] > 0
+
+
+def test_copies_ahead_from_the_forward_before() -> None:
+    """ahead_from "previous": layer 0's plan copies ahead into layer 1 what layer 1 routed the
+    forward before and its cache lacks, never in a generation's first forward, and never by
+    evicting an expert that forward routed."""
+    planner = Planner.for_model(
+        2,
+        16,
+        2,
+        2 * 4,  # 4 slots per layer
+        stage_capacity=2,
+        cost=COST,
+        allocation=UniformAllocation(),
+        retention=LFURetention(),
+        compensation=CpuOnly(),  # misses run on the CPU: the cache keeps what it holds
+        prefetch_limit=8,
+        ahead_from="previous",
+    )
+    planner.prefill(1, np.array([0, 1, 2, 3]))
+    w = np.ones((2, 2), np.float32)
+    first = [np.array([[4, 5], [6, 7]]), np.array([[0, 1], [8, 9]])]  # [layer] ids [T, K]
+    planner.begin_step(step=0, block=0)
+    assert [len(planner.plan(i, ids, w).ahead_experts) for i, ids in enumerate(first)] == [0, 0]
+    planner.begin_step(step=1, block=0)
+    plan = planner.plan(0, first[0], w)
+    # layer 1 routed 0, 1, 8, 9: 8 and 9 go into the slots of 2 and 3 (0 and 1 stay)
+    assert plan.ahead_layer == 1 and sorted(plan.ahead_experts.tolist()) == [8, 9]
+    cache = planner.caches[1]
+    assert (cache.slot_of[plan.ahead_experts] == plan.ahead_slots).all()
+    assert (cache.slot_of[[0, 1]] >= 0).all() and (cache.slot_of[[2, 3]] < 0).all()
+    after = planner.plan(1, first[1], w)
+    assert after.predicted_hits == 2 and len(after.misses) == 0
+    assert planner.stats.predicted.tolist() == [0, 2]
+    planner.begin_step(step=0, block=1)  # a new generation: nothing routed before it
+    assert not len(planner.plan(0, first[0], w).ahead_experts)
+
+
+def test_copies_ahead_fit_the_link_s_spare_time() -> None:
+    """spare_copies: the copies that end before the next layer's demand copies start."""
+    planner = make(prefetch=64)
+    c = COST
+    plan = planner.plan(0, np.array([[0, 1]]), np.ones((1, 2), np.float32))  # two misses
+    copy_end = c.copy_ms(2)
+    gpu_end = max(c.gpu_ms(0), copy_end) + c.gpu_ms(2)
+    spare = gpu_end + c.layer_ms - copy_end - c.copy_fixed_ms
+    assert planner.spare_copies(plan) == int(spare // c.copy_ms_per_expert) > 0
+    hits = planner.plan(0, np.array([[0, 1]]), np.ones((1, 2), np.float32))  # all hits
+    want = int((c.gpu_ms(2) + c.layer_ms - c.copy_fixed_ms) // c.copy_ms_per_expert)
+    assert planner.spare_copies(hits) == want
+
+
+def test_unknown_ahead_source() -> None:
+    with pytest.raises(ValueError, match="unknown ahead_from 'next'"):
+        Planner.for_model(
+            2,
+            16,
+            2,
+            8,
+            stage_capacity=2,
+            cost=COST,
+            ahead_from="next",  # type: ignore[arg-type]
+        )

@@ -228,3 +228,16 @@ def test_cli_json_to_a_folder_that_is_not_there(tmp_path, monkeypatch) -> None:
     res = CliRunner().invoke(app, ["trace", "stats", str(a), "--json", str(out)])
     assert res.exit_code == 2
     assert res.output == f"error: --json {out}: no such directory {out.parent}\n"
+
+
+def test_stats_report_the_router_s_ranking(trace_file) -> None:
+    """A recorded trace's near misses: counted, and shares that are shares."""
+    from oled.trace.format import Trace
+    from oled.trace.stats import stats_table, trace_stats
+
+    res = trace_stats(Trace.load(trace_file), block_length=8)
+    ranking = res["ranking"]
+    assert ranking["ranks"] == 16 and ranking["near_misses"]["layer_mean"] > 0
+    for key in ("entering_named", "near_misses_entering"):
+        assert 0 <= ranking[key]["layer_mean"] <= 1
+    assert stats_table([res]).row_count > 0

@@ -178,14 +178,16 @@ def test_simulator_reports(small: Trace) -> None:
     assert full.to_dict()["iterations"] == small.num_steps
 
 
-def _repeating_trace(ids_of_step: list[np.ndarray], steps: list[int]) -> Trace:
-    """One layer; forward i routes its 2 tokens to ids_of_step[i] [2, 2] (step: steps[i])."""
+def _repeating_trace(ids_of_step: list[np.ndarray], steps: list[int], layers: int = 1) -> Trace:
+    """`layers` layers alike; forward i routes its 2 tokens to ids_of_step[i] [2, 2] (step:
+    steps[i])."""
     from oled.trace.format import TraceMeta
 
     n = len(ids_of_step)
-    ids = np.stack(ids_of_step).reshape(1, 2 * n, 2).astype(np.int16)  # [L, R, K]
+    ids = np.stack(ids_of_step).reshape(1, 2 * n, 2).astype(np.int16)  # [1, R, K]
+    ids = np.repeat(ids, layers, axis=0)  # [L, R, K]
     return Trace(
-        meta=TraceMeta(num_moe_layers=1, num_experts=16, top_k=2),
+        meta=TraceMeta(num_moe_layers=layers, num_experts=16, top_k=2),
         ids=ids,
         weights=np.ones(ids.shape, np.float32),
         token_state=np.full(2 * n, TOKEN_MASKED, np.int8),
@@ -218,6 +220,32 @@ def test_simulator_counts_the_misses_routed_the_forward_before() -> None:
     # counted: the 1st's step 1 (4 misses, none routed before), the 2nd's (2 of 4 cached: 2
     # misses, both routed before)
     assert two.misses_routed_before == pytest.approx(2 / 6)
+
+
+def test_simulator_replays_copies_ahead_from_the_forward_before() -> None:
+    """With CPU-only misses the cache fills only by copies ahead: from the second forward on,
+    layer 1 finds what it routed the forward before, copied during layer 0 on spare link time
+    (hidden: no stall); without them nothing is copied; transfer-only copies stall."""
+    same = np.array([[0, 1], [2, 3]])
+    trace = _repeating_trace([same] * 4, [0, 1, 2, 3], layers=2)
+    policies = dict(
+        allocation=UniformAllocation(), retention=LRURetention(), cost=COST, total_slots=2 * 4
+    )
+    ahead = simulate(
+        trace, compensation=CpuOnly(), prefetch_limit=8, ahead_from="previous", **policies
+    )
+    assert ahead.stats["predicted"] == [0, 4] and ahead.stats["predicted_hits"] == [0, 4]
+    assert ahead.stats["hits"] == [0, 3 * 4]  # layer 1, forwards 1-3
+    assert ahead.copy_ms_per_iteration > 0 and ahead.stall_ms == 0
+    assert ahead.hidden_copy_share == 1.0
+    none = simulate(trace, compensation=CpuOnly(), **policies)
+    assert none.copies == 0 and none.copy_ms_per_iteration == 0 and sum(none.stats["hits"]) == 0
+    assert none.ms_per_iteration > ahead.ms_per_iteration
+    # the router's prediction needs the model: a replay makes none
+    router = simulate(trace, compensation=CpuOnly(), prefetch_limit=8, **policies)
+    assert router.copies == 0
+    demand = simulate(trace, compensation=TransferOnly(), **policies)
+    assert demand.stall_ms > 0 and 0 <= demand.hidden_copy_share < 1
 
 
 def test_simulator_runtime_bound() -> None:
@@ -290,3 +318,46 @@ def test_prompt_starts_and_ids_round_trip_as_uint8(tmp_path):
         assert f.get_tensor("ids").dtype == np.uint8  # 256 experts fit in a byte on disk
     loaded = Trace.load(path)
     assert loaded.ids.dtype == np.int16 and np.array_equal(loaded.ids, both.ids)
+
+
+def test_a_recorded_trace_ranks_the_router_s_best_experts(trace_file, tmp_path) -> None:
+    """Each row's 16 best experts by the router's selection score, with their sigmoid scores:
+    the routed experts are among them, and their scores are proportional to the gate weights
+    (the top-k normalised and scaled), to the 1/255 steps the file keeps."""
+    trace = Trace.load(trace_file)
+    layers, rows, k = trace.ids.shape
+    assert trace.ranks == 16 and trace.ranked_ids.shape == (layers, rows, 16)
+    scores = trace.ranked_scores
+    assert scores.min() >= 0 and scores.max() <= 1
+    ranked = trace.ranked_ids.astype(np.int64)
+    routed = trace.ids.astype(np.int64)
+    where = ranked[:, :, None, :] == routed[:, :, :, None]  # [L, R, K, C]
+    found = where.any(-1)  # [L, R, K]
+    assert found.mean() > 0.95
+    full = found.all(-1)  # rows whose routed experts are all ranked
+    routed_scores = (where * scores[:, :, None, :]).sum(-1)[full]  # [N, K]
+    weights = trace.weights.astype(np.float32)[full]
+    clear = (routed_scores > 0.05).all(-1)  # scores far above the 1/255 steps
+    assert clear.mean() > 0.5
+    ratio = weights[clear] / routed_scores[clear]  # scale / sum, per row
+    spread = ratio.std(-1) / ratio.mean(-1)
+    assert np.quantile(spread, 0.99) < 0.03
+    ctx_ranking = trace.ranking(1)
+    assert ctx_ranking is not None and ctx_ranking[0][0].shape[1] == 16
+    trace.save(tmp_path / "again.oledtrace")
+    again = Trace.load(tmp_path / "again.oledtrace")
+    assert np.array_equal(again.ranked_ids, trace.ranked_ids)
+    assert np.array_equal(again.ranked_scores, trace.ranked_scores)
+
+
+def test_a_compressed_trace_reads_as_the_plain_one(trace_file, tmp_path) -> None:
+    from oled.trace.format import prompt_count, read_meta
+
+    trace = Trace.load(trace_file)
+    trace.save(tmp_path / "z.oledtrace", compress=True)
+    assert (tmp_path / "z.oledtrace").stat().st_size < trace_file.stat().st_size
+    again = Trace.load(tmp_path / "z.oledtrace")
+    for name in ("ids", "weights", "token_state", "confidence", "row_offsets", "ranked_ids"):
+        assert np.array_equal(getattr(again, name), getattr(trace, name)), name
+    assert read_meta(tmp_path / "z.oledtrace") == trace.meta
+    assert prompt_count(tmp_path / "z.oledtrace") == trace.meta.prompt_count

@@ -27,6 +27,17 @@ def test_record_then_simulate_every_baseline(tmp_path, tiny_dir):
     assert res.exit_code == 0, res.output
     for name in ("lru", "hybrimoe", "tide", "fiddler", "llamacpp", "oled", "Belady"):
         assert name in res.output
+    assert trace.ranks == 16  # the router's ranking, recorded by default
+    curves = tmp_path / "curves.json"
+    res = runner.invoke(app, ["trace", "curves", str(out), "-o", str(curves)])
+    assert res.exit_code == 0, res.output
+    assert "3 layers x capacities 0-32 under lfu" in res.output
+    text = recipe.read_text() + f'[policy.allocation]\nkind = "curves"\ncurves = "{curves}"\n'
+    recipe.write_text(text)
+    res = runner.invoke(app, ["simulate", str(out), "--recipe", str(recipe)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["trace", "curves", str(out), "-o", str(curves), "--retention", "lfx"])
+    assert res.exit_code != 0 and "lfx" in res.output
 
 
 def _simulate(tmp_path, tiny_dir, runtime: str, **geometry):
