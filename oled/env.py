@@ -133,12 +133,30 @@ def cuda_rows(report: Report, *, bandwidth: bool) -> None:
             f"GPU {i}",
             f"{prop.name}, {prop.total_memory / 2**30:.1f} GiB, compute {prop.major}.{prop.minor}",
         )
+    if torch.cuda.device_count() > 1:
+        report.add("GPU links", links_row())
     report.add("fused kernels", kernel_row())
     report.add("expert copies", copies_row())
     report.add("layer launches", launches_row())
     if bandwidth:
         gbps = pinned_copy_bandwidth()
         report.add("host->GPU copy, pinned, 64 MiB", f"{gbps:.1f} GB/s")
+
+
+def links_row() -> str:
+    """How each pair of GPUs reaches the other: peer to peer (NVLink or PCIe) or through host
+    memory; what runtime.devices > 1 sends its all-reduces over (NCCL)."""
+    import torch
+
+    n = torch.cuda.device_count()
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    peer = [torch.cuda.can_device_access_peer(i, j) for i, j in pairs]
+    if all(peer):
+        return f"every pair of the {n} GPUs peer to peer"
+    return ", ".join(
+        f"{i}-{j} {'peer to peer' if p else 'through the host'}"
+        for (i, j), p in zip(pairs, peer, strict=True)
+    )
 
 
 def kernel_row() -> str:

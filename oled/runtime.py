@@ -28,6 +28,7 @@ from oled.model.config import shipped_default as shipped_default  # where tests 
 from oled.model.experts import ResidentExperts
 from oled.model.graphs import EagerForward, GraphedForward
 from oled.model.model import ExpertExecutor
+from oled.model.parallel import ShardedExperts, Split, check_host, join
 from oled.model.presets import builtin_checkpoint
 from oled.offload.budget import KV_TOKENS, total_slots
 from oled.offload.encoded import LANDING_ROWS, EncodedCopies
@@ -410,18 +411,22 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
     as fused Triton kernels unless `runtime.kernels` is "torch" (oled.kernels).
     `runtime.prefetch` > 0 copies up to that many experts per MoE layer a layer ahead, from the
     next layer's predicted routing (oled.offload.predict) or, with `runtime.ahead_from`
-    "previous", from what the next layer routed the forward before, on the link's spare time. `runtime.planner` "auto" plans
-    compiled where it can (oled.policies.native), "compiled" insists on it, "python" keeps the
-    Python planner: the same decisions either way. `driver` launches graphed layer calls from C
-    where possible (None), insists (True) or never does (False; oled.offload.driver): the same
-    tokens either way. `runtime.transfer` says how misses cross the link (oled.model.codec):
-    "plain" bf16 rows, "lossless" encoded rows (the same tokens, fewer bytes), "fp8" or "int4"
-    (lossy: about a half or a quarter of the bytes, other tokens).
+    "previous", from what the next layer routed the forward before, on the link's spare time.
+    `runtime.planner` "auto" plans compiled where it can (oled.policies.native), "compiled"
+    insists on it, "python" keeps the Python planner: the same decisions either way. `driver`
+    launches graphed layer calls from C where possible (None), insists (True) or never does
+    (False; oled.offload.driver): the same tokens either way. `runtime.transfer` says how
+    misses cross the link (oled.model.codec): "plain" bf16 rows, "lossless" encoded rows (the
+    same tokens, fewer bytes), "fp8" or "int4" (lossy: about a half or a quarter of the bytes,
+    other tokens). `runtime.devices` > 1: this process is one of that many, each holding a
+    share of the experts, all resident (oled.model.parallel).
     """
     spec = spec if isinstance(spec, RuntimeSpec) else RuntimeSpec.of(spec)
     rt = spec.runtime
     threads = cpu_threads(rt.cpu_threads)
     dev, torch_dtype = pick_device(rt.device), pick_dtype(rt.dtype)
+    if rt.devices > 1:
+        return _build_split(spec, dev, torch_dtype, threads, progress)
     check_codec(rt.transfer, torch_dtype)
     fused_kernels.check(rt.kernels, dev)
     fused_kernels.use(rt.kernels)  # the cost calibration below already times these kernels
@@ -472,6 +477,41 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
     engine = make_engine(ckpt, dev, planner, driver=spec.driver, encoded=encoded)
     return Runtime(
         checkpoint=ckpt, device=dev, executor=engine, observers=[engine], costs=costs, **settings
+    )
+
+
+def _build_split(
+    spec: RuntimeSpec,
+    dev: torch.device,
+    dtype: torch.dtype,
+    threads: ThreadChoice,
+    progress: bool,
+) -> Runtime:
+    """This process's runtime of `runtime.devices` that split the experts, all resident."""
+    rt = spec.runtime
+    check_host(rt.devices, rt.device)
+    rank, local = join(rt.devices, dev.type)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    path = resolve_model(spec.model)
+    split = Split(rank, rt.devices, ModelConfig.from_json(path).num_experts)
+    ckpt = load_checkpoint(
+        path,
+        device=dev,
+        dtype=dtype,
+        progress=progress and rank == 0,
+        experts=split.owned,
+        experts_on_device=True,  # never the whole share in host memory as well
+    )
+    return Runtime(
+        checkpoint=ckpt,
+        device=dev,
+        executor=ShardedExperts(ckpt.experts, dev, split),
+        decode=spec.decode,
+        graphs=rt.cuda_graphs,
+        kernels=rt.kernels,
+        threads=threads,
     )
 
 

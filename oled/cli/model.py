@@ -17,7 +17,7 @@ model_app = typer.Typer(help="Create and inspect checkpoints.", no_args_is_help=
 @user_errors
 def model_init(
     path: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
-    preset: Annotated[str, typer.Option(help="tiny, small or mini-shape.")] = "tiny",
+    preset: Annotated[str, typer.Option(help="tiny, small, mini-shape or flash-shape.")] = "tiny",
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     device: Annotated[
         str, typer.Option(help="Where to draw the weights (cuda is faster).")
@@ -35,7 +35,7 @@ def model_init(
 
     shard = None if shard_size == "single" else parse_size(shard_size)
     t0 = time.perf_counter()
-    init_checkpoint(path, preset=preset, seed=seed, device=device, shard_bytes=shard)
+    init_checkpoint(path, preset=preset, seed=seed, device=device, shard_bytes=shard, progress=True)
     files = sorted(p.name for p in path.iterdir())
     console.print(f"wrote {preset} (seed {seed}) to {path} in {time.perf_counter() - t0:.1f} s:")
     console.print("  " + ", ".join(files))

@@ -23,6 +23,7 @@ from oled.experiment.report import (
 )
 from oled.experiment.tracking import Tracker, check_store, tracked_run
 from oled.experiment.workload import Prompt, load_prompts
+from oled.model.parallel import is_main
 from oled.recipe import Recipe
 
 RuntimeFactory = Callable[[Recipe], Any]
@@ -257,11 +258,12 @@ def run_experiment(
     factory: RuntimeFactory | None = None,
     console: Console | None = None,
     out: Console | None = None,
-) -> RunResult:
+) -> RunResult | None:
     """Run a recipe end to end. The runtime is built first, so a set-up error (no model, a
     budget too small, no such device) leaves no MLflow run; once the run has started it ends
     FAILED if anything raises. Progress goes to `console` (stderr), the summary table and the
-    report's folder to `out` (stdout), so that `oled run R > out.txt` keeps the results."""
+    report's folder to `out` (stdout), so that `oled run R > out.txt` keeps the results. Of
+    several processes (runtime.devices), only the first reports; the others return None."""
     console = console or Console(stderr=True)
     out = out or Console()
     if factory is None:
@@ -272,6 +274,11 @@ def run_experiment(
     check_store(recipe)  # an MLflow store that cannot open fails before the model loads
     start = time.perf_counter()
     runtime = factory(recipe)  # set-up errors (model, budget, device) raise before any run
+    if (
+        not is_main()
+    ):  # one more process of runtime.devices: it decodes beside rank 0, which reports
+        run_loaded(runtime, recipe, work, Console(quiet=True))
+        return None
     with tracked_run(recipe) as tracker:
         tracker.log_params(recipe.flatten())
         tracker.set_tags(

@@ -202,8 +202,13 @@ def load_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     pin_experts: bool = False,
     progress: bool = False,
+    experts: range | None = None,
+    experts_on_device: bool = False,
 ) -> Checkpoint:
-    """Load config, tokenizer, non-expert weights (on `device`) and experts (host, maybe pinned)."""
+    """Load config, tokenizer, non-expert weights (on `device`) and experts (host, maybe pinned;
+    on `device` with `experts_on_device`): every layer's experts in `experts` (None: all), row
+    i of the store holding expert experts[i] (one process's share when several split them,
+    oled.model.parallel)."""
     path = Path(path)
     if not path.is_dir():
         why = "not a directory" if path.exists() else "no such checkpoint directory"
@@ -213,10 +218,12 @@ def load_checkpoint(
     reader = ShardReader(path)
     try:
         model = _load_dense(reader, cfg, device, dtype)
-        experts = _load_experts(reader, cfg, dtype, pin_experts, progress)
+        share = range(cfg.num_experts) if experts is None else experts
+        where = torch.device(device) if experts_on_device else "cpu"
+        store = _load_experts(reader, cfg, dtype, pin_experts, progress, share, where)
     finally:
         reader.close()
-    return Checkpoint(path=path, config=cfg, model=model, experts=experts, tokenizer=tokenizer)
+    return Checkpoint(path=path, config=cfg, model=model, experts=store, tokenizer=tokenizer)
 
 
 def _load_dense(
@@ -242,18 +249,25 @@ def _load_dense(
 
 
 def _load_experts(
-    reader: ShardReader, cfg: ModelConfig, dtype: torch.dtype, pin: bool, progress: bool
+    reader: ShardReader,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    pin: bool,
+    progress: bool,
+    share: range,
+    device: torch.device | str,
 ) -> ExpertStore:
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    layers, n = cfg.num_moe_layers, len(share)
     store = ExpertStore.empty(
-        layers=cfg.num_moe_layers, experts=cfg.num_experts, hidden=h, inter=i, dtype=dtype, pin=pin
+        layers=layers, experts=n, hidden=h, inter=i, dtype=dtype, pin=pin, device=device
     )
     for m, layer in enumerate(track(cfg.moe_layers, "loading experts", show=progress)):
-        for e in range(cfg.num_experts):
+        for row, e in enumerate(share):
             g, u, d = expert_tensor_names(layer, e)
-            store.w13[m][e, :i] = reader.get(g, (i, h))
-            store.w13[m][e, i:] = reader.get(u, (i, h))
-            store.w2[m][e] = reader.get(d, (h, i))
+            store.w13[m][row, :i] = reader.get(g, (i, h))
+            store.w13[m][row, i:] = reader.get(u, (i, h))
+            store.w2[m][row] = reader.get(d, (h, i))
     return store
 
 

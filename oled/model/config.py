@@ -240,6 +240,20 @@ def mini_config() -> ModelConfig:
     )
 
 
+def flash_config() -> ModelConfig:
+    """LLaDA2.0-flash's configuration (its model card's config.json): mini's, at 32 layers,
+    hidden 4096, dense intermediate 9216, 32 heads and expert intermediate 1024 (102.9B
+    parameters, 99.9B of them in routed experts)."""
+    return replace(
+        mini_config(),
+        hidden_size=4096,
+        intermediate_size=9216,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        moe_intermediate_size=1024,
+    )
+
+
 def tiny_config() -> ModelConfig:
     """Decodes quickly on 2 CPU cores: 4 layers (1 dense), hidden 128, 32 experts, top-4."""
     return replace(
@@ -289,6 +303,7 @@ SHAPES: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny_config,
     "small": small_config,
     "mini-shape": mini_config,
+    "flash-shape": flash_config,
 }
 BUILTIN = "builtin:"
 BUILTIN_MODELS = ("tiny", "small")

@@ -50,10 +50,18 @@ class ExpertStore:
 
     @classmethod
     def empty(
-        cls, *, layers: int, experts: int, hidden: int, inter: int, dtype: torch.dtype, pin: bool
+        cls,
+        *,
+        layers: int,
+        experts: int,
+        hidden: int,
+        inter: int,
+        dtype: torch.dtype,
+        pin: bool,
+        device: torch.device | str = "cpu",
     ) -> ExpertStore:
         def alloc(*shape: int) -> Tensor:
-            return torch.empty(shape, dtype=dtype, pin_memory=pin)
+            return torch.empty(shape, dtype=dtype, pin_memory=pin, device=device)
 
         return cls(
             w13=[alloc(experts, 2 * inter, hidden) for _ in range(layers)],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -17,9 +18,15 @@ from oled.model.config import small_config as small_config  # re-exported: the s
 from oled.model.config import tiny_config as tiny_config
 from oled.model.tokenizer import Tokenizer, special_ids, train_byte_bpe
 from oled.paths import cache_home
+from oled.progress import track
 
 PRESETS = SHAPES  # the presets of `oled model init --preset`: the named shapes
-BPE_SIZE = {"tiny": 700, "small": 3000, "mini-shape": 8000}  # each preset's tokenizer vocabulary
+BPE_SIZE = {
+    "tiny": 700,
+    "small": 3000,
+    "mini-shape": 8000,
+    "flash-shape": 8000,
+}  # each preset's tokenizer vocabulary
 
 
 def preset_config(name: str) -> ModelConfig:
@@ -57,16 +64,26 @@ def preset_tokenizer(name: str, cfg: ModelConfig) -> Tokenizer:
     return train_byte_bpe(corpus(), vocab_size=BPE_SIZE[name], specials=special_ids(cfg.vocab_size))
 
 
+def checkpoint_bytes(cfg: ModelConfig) -> int:
+    """The bytes of a checkpoint's tensors as `random_tensors` writes them."""
+    return sum(
+        math.prod(shape) * (4 if name.endswith("expert_bias") else 2)
+        for name, shape in expected_shapes(cfg).items()
+    )
+
+
 def random_tensors(
-    cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu"
+    cfg: ModelConfig, *, seed: int, device: torch.device | str = "cpu", progress: bool = False
 ) -> Iterator[tuple[str, Tensor]]:
-    """Every checkpoint tensor, random, streamed in name order (bf16; expert_bias in fp32).
+    """Every checkpoint tensor, random, streamed in name order (bf16; expert_bias in fp32): one
+    at a time, so that no process ever holds the model whole.
 
     Word embeddings have unit variance so that routing follows the token as in a trained model;
     with std 0.02 everywhere routing collapses onto a few experts per layer and flatters caches.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, shape in expected_shapes(cfg).items():
+    shapes = list(expected_shapes(cfg).items())
+    for name, shape in track(shapes, "writing tensors", show=progress):
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             t = torch.ones(shape, device=device)
         elif name.endswith("expert_bias"):
@@ -85,14 +102,24 @@ def init_checkpoint(
     seed: int = 0,
     device: torch.device | str = "cpu",
     shard_bytes: int | None = 2 << 30,
+    progress: bool = False,
 ) -> Path:
-    """Write a random-initialised checkpoint of `preset` to `path` in the LLaDA2 layout."""
+    """Write a random-initialised checkpoint of `preset` to `path` in the LLaDA2 layout, shard
+    by shard (a ValueError first when the disk holds less than it needs)."""
     cfg = preset_config(preset)
+    need = checkpoint_bytes(cfg)
+    existing = next(p for p in (Path(path), *Path(path).absolute().parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise ValueError(
+            f"{preset} takes {need / 1e9:.1f} GB; the disk of {existing} has {free / 1e9:.1f} GB "
+            "free"
+        )
     tokenizer = preset_tokenizer(preset, cfg)
     return save_checkpoint(
         path,
         config=cfg,
-        tensors=random_tensors(cfg, seed=seed, device=device),
+        tensors=random_tensors(cfg, seed=seed, device=device, progress=progress),
         tokenizer=tokenizer,
         shard_bytes=shard_bytes,
     )

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from oled.cli import app
-from oled.env import collect, cpu_flags
+from oled.env import collect, cpu_flags, links_row
 
 runner = CliRunner()
 
@@ -156,3 +156,11 @@ def test_recalibrate_with_nothing_stored_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("OLED_HOME", str(tmp_path))
     result = runner.invoke(app, ["env", "--recalibrate"])
     assert result.exit_code == 0 and "no calibration stored in" in result.stderr
+
+
+def test_links_between_gpus_are_named(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: (i, j) != (1, 2))
+    assert links_row() == "0-1 peer to peer, 0-2 peer to peer, 1-2 through the host"
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: True)
+    assert links_row() == "every pair of the 3 GPUs peer to peer"

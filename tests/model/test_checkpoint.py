@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -70,6 +71,29 @@ def test_expert_store_layout(tiny_dir):
     assert ckpt.experts.w13[0][3].is_contiguous()
     # routed experts are not model parameters: they are held once, in the store
     assert not any(".experts." in name for name in ckpt.model.state_dict())
+
+
+def test_a_share_of_the_experts_loads_as_its_own_store(tiny_dir):
+    whole = load_checkpoint(tiny_dir).experts
+    share = load_checkpoint(tiny_dir, experts=range(8, 16)).experts
+    assert share.num_experts == 8
+    assert torch.equal(share.w13[1], whole.w13[1][8:16])
+    assert torch.equal(share.w2[2], whole.w2[2][8:16])
+
+
+def test_flash_shape_is_llada2_flash_and_its_init_checks_the_disk(tmp_path, monkeypatch):
+    """LLaDA2.0-flash's published shape (102.9B parameters); a disk too small for its 206 GB
+    is said before anything is written."""
+    from oled.model import presets
+
+    cfg = presets.preset_config("flash-shape")
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads) == (32, 4096, 32)
+    assert (cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok) == (1024, 256, 8)
+    assert 205e9 < presets.checkpoint_bytes(cfg) < 206e9
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=10**11))
+    with pytest.raises(ValueError, match=r"flash-shape takes 205.8 GB; the disk of .* 100.0 GB"):
+        presets.init_checkpoint(tmp_path / "flash", preset="flash-shape")
+    assert not (tmp_path / "flash").exists()
 
 
 def copy_of(src, tmp_path):

@@ -1,0 +1,126 @@
+"""Experts split across processes: the share each holds, and two gloo processes decoding
+exactly the tokens of one (oled.model.parallel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from oled.model.parallel import ParallelError, Split, check_host, join
+from oled.recipe.schema import RuntimeSection
+from oled.runtime import build_runtime, load_runtime
+
+PROMPTS = ["Once upon a time", "The king said", "What is the sea?"]
+DECODE = dict(max_new_tokens=24, threshold=0.9, block_length=8)
+
+
+def test_each_process_holds_a_contiguous_share() -> None:
+    splits = [Split(r, 4, 32) for r in range(4)]
+    assert [list(s.owned) for s in splits] == [list(range(8 * r, 8 * r + 8)) for r in range(4)]
+    rows = torch.stack([s.rows() for s in splits])  # [world, E]
+    assert ((rows >= 0).sum(0) == 1).all(), "every expert held by exactly one process"
+    assert rows[1, 8:16].tolist() == list(range(8)) and (rows[1, :8] == -1).all()
+
+
+def test_bad_splits_are_named() -> None:
+    with pytest.raises(ParallelError, match="32 experts per layer do not split evenly over 3"):
+        Split(0, 3, 32)
+    with pytest.raises(ValueError, match=r"devices = 2 .* budget = \{ resident = true \}"):
+        RuntimeSection(devices=2, budget={"expert_fraction": 0.5})
+
+
+def test_several_devices_need_several_processes(monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ParallelError, match="needs 2 processes: `oled run` starts them"):
+        join(2, "cpu")
+
+
+def _decode_one_of_two(rank: int, port: int, out: str) -> None:
+    """Process `rank` of 2 (gloo): the tiny default's answers, written by rank 0."""
+    os.environ |= {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    torch.set_num_threads(1)
+    rt = build_runtime(device="cpu", dtype="float32", devices=2, cpu_threads=1)
+    assert rt.checkpoint.experts.num_experts == rt.config.num_experts // 2
+    answers = [rt.generate(p, **DECODE).token_ids for p in PROMPTS]
+    if rank == 0:
+        Path(out).write_text(json.dumps(answers))
+    torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_decode_the_tokens_of_one(tmp_path) -> None:
+    """Each process holds half of every layer's experts; the all-reduced pairs give exactly
+    the single process's answers."""
+    out = tmp_path / "answers.json"
+    mp.spawn(_decode_one_of_two, args=(_free_port(), str(out)), nprocs=2, join=True)
+    one = load_runtime(device="cpu", dtype="float32", cpu_threads=1)
+    assert json.loads(out.read_text()) == [one.generate(p, **DECODE).token_ids for p in PROMPTS]
+
+
+RECIPE = """[model]
+path = "builtin:tiny"
+
+[runtime]
+device = "cpu"
+dtype = "float32"
+devices = {devices}
+
+[decoding]
+block_length = 32
+threshold = 0.95
+max_new_tokens = 24
+
+[workload]
+prompts = "builtin:short"
+
+[tracking]
+mlflow = false
+"""
+
+
+@pytest.mark.slow
+def test_oled_run_starts_a_process_per_device(tmp_path) -> None:
+    """`oled run` with runtime.devices = 2 starts two processes itself; the first reports
+    once, with the single process's forwards and answers equal to the resident ones."""
+    import subprocess
+    import sys
+
+    reports = {}
+    for devices in (1, 2):
+        folder = tmp_path / str(devices)
+        folder.mkdir()
+        (folder / "r.toml").write_text(RECIPE.format(devices=devices))
+        env = {**os.environ, "OLED_HOME": str(tmp_path / "home"), "COLUMNS": "120"}
+        cmd = [sys.executable, "-m", "oled.cli", "run", "r.toml"]
+        done = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("tokens / s (end to end)") == 1  # one report, by rank 0
+        (report,) = (folder / "reports").glob("*/report.json")
+        reports[devices] = json.loads(report.read_text())["generations"]
+    for key in ("tokens", "iterations", "tokens_per_forward", "agreed"):
+        assert [g[key] for g in reports[2]] == [g[key] for g in reports[1]], key
+
+
+def test_a_host_with_too_few_gpus_is_named(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ParallelError, match=r"devices = 2, but this host has 1 GPU"):
+        check_host(2, "cuda")
+    check_host(2, "cpu")  # CPU processes: any number
