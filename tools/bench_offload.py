@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from oled.offload.engine import OffloadEngine
     from oled.offload.predict import RecordedRouting
 
+CURVES = "recipes/twin/oled.toml"
 CONFIGS = {
     **{name: lambda name=name: anchor_policies(name) for name in ANCHORS},
     # OLED with one mechanism replaced by the baseline's, to see what each contributes
@@ -70,6 +71,14 @@ CONFIGS = {
     "oled/lru-retention": lambda: anchor_policies("oled") | {"retention": R.LRURetention()},
     # `oled tune recipes/twin/tune.toml` on the twin's tuning split (recipes/twin/oled-tuned.toml)
     "oled-tuned": lambda: tuned("recipes/twin/oled-tuned.toml"),
+    # recipes/twin/oled.toml: slots split on miss curves fitted on the tuning split, LFU
+    # retention, cooperative compensation; and with each mechanism swapped out
+    "oled-curves": lambda: tuned(CURVES),
+    "oled-curves/uniform-alloc": lambda: tuned(CURVES) | {"allocation": A.UniformAllocation()},
+    "oled-curves/transfer-only": lambda: tuned(CURVES) | {"compensation": C.TransferOnly()},
+    "oled-curves/confidence-retention": lambda: (
+        tuned(CURVES) | {"retention": R.ConfidenceRetention()}
+    ),
 }
 
 KERNEL_MODES = {"auto": ["auto"], "torch": ["torch"], "both": ["auto", "torch"]}

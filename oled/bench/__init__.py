@@ -12,7 +12,13 @@ Modules: `runs` (the configuration, workloads and one generation), `measure` (ro
 
 from __future__ import annotations
 
-from oled.bench.measure import bench_replay, bench_runtime, summarise, with_ratios
+from oled.bench.measure import (
+    bench_replay,
+    bench_runtime,
+    replay_warmups,
+    summarise,
+    with_ratios,
+)
 from oled.bench.profile import host_breakdown, stage_breakdown
 from oled.bench.report import machine, write_report
 from oled.bench.runs import (
@@ -35,6 +41,7 @@ __all__ = [
     "host_table",
     "machine",
     "random_prompt",
+    "replay_warmups",
     "run_once",
     "run_replay",
     "stage_breakdown",

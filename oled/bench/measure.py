@@ -25,13 +25,21 @@ from oled.progress import track
 from oled.runtime import Runtime
 
 
+def replay_warmups(cfg: BenchConfig, prompts: int) -> int:
+    """Untimed replays before a replay row's timed passes: none when none are asked for, else
+    at least one of each of the `prompts` selected (each prompt has its own shapes)."""
+    return max(cfg.warmup_runs, prompts) if cfg.warmup_runs else 0
+
+
 def bench_replay(rt: Runtime, cfg: BenchConfig, label: str, work: TraceWorkload) -> dict:
-    """One configuration on a trace's routing: warm-up replays, then `runs` timed passes over
-    the selected prompts (each prompt's replay one run), one row of figures. Every row replays
-    the same schedule, so no trajectory is followed; the prompt and generation lengths, block
-    length and threshold come from the trace."""
+    """One configuration on a trace's routing: warm-up replays (unless none are asked for,
+    every selected prompt at least once, so that each prompt's shapes are captured as graphs
+    before any timed pass),
+    then `runs` timed passes over the selected prompts (each prompt's replay one run), one row
+    of figures. Every row replays the same schedule, so no trajectory is followed; the prompt
+    and generation lengths, block length and threshold come from the trace."""
     n = len(work.prompts)
-    for i in track(range(cfg.warmup_runs), f"warming up {label}"):
+    for i in track(range(replay_warmups(cfg, n)), f"warming up {label}"):
         run_replay(rt, work.trace, work.prompts[i % n])
     runs, offload, outputs, passes = [], [], [], []
     for _ in track(range(cfg.runs), f"timing {label}"):

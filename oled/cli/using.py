@@ -484,8 +484,8 @@ def _bench_rows(
             )
         if work is not None:
             err_console.print(
-                f"[dim]{label}: {cfg.warmup_runs} warm-up + {cfg.runs} timed "
-                f"passes over {len(work.prompts)} prompts of {work.name} "
+                f"[dim]{label}: {b.replay_warmups(cfg, len(work.prompts))} warm-up replays + "
+                f"{cfg.runs} timed passes over {len(work.prompts)} prompts of {work.name} "
                 "(routing, commits and lengths from the trace)[/dim]"
             )
             rows.append(b.bench_replay(rt, cfg, label, work))

@@ -417,6 +417,8 @@ def test_bench_replays_a_routing_trace(tiny_dir, tmp_path, trace_file):
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "2 prompts of default.oledtrace" in result.output
+    # one warm-up asked for, one replay of each selected prompt given: both prompts' shapes
+    assert "2 warm-up replays + 1 timed passes" in result.output
     (row,) = json.loads(next(tmp_path.glob("bench-*.json")).read_text())["rows"]
     assert row["runs"] == 2 and row["iterations"] == 13 + 16 and row["tokens"] == 13 + 16
     assert row["routing"] == {"trace": "default.oledtrace", "prompts": [0, 2]}
