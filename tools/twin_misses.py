@@ -31,6 +31,7 @@ ROWS = {
     "TIDE": ("uniform", "lru", "interval_refresh"),
     "OLED (adaptive, confidence)": ("adaptive", "confidence", "cooperative"),
     "OLED (curves, LFU)": ("curves", "lfu", "cooperative"),
+    "OLED (stack, LFU)": ("stack", "lfu", "cooperative"),
     "  transfer-only": ("curves", "lfu", "transfer_only"),
     "  uniform allocation": ("uniform", "lfu", "cooperative"),
     "  confidence retention": ("curves", "confidence", "cooperative"),

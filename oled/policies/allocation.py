@@ -55,6 +55,15 @@ def proportional_split(
     return [int(x) for x in out]
 
 
+def steady(new: list[int], old: list[int] | None, min_moved: float) -> list[int]:
+    """`new`, unless it moves fewer than `min_moved` slots from `old`: then `old` (moving slots
+    evicts warm experts, so small shifts cost more than they win)."""
+    if old is None or len(old) != len(new):
+        return new
+    moved = sum(max(0, a - b) for a, b in zip(new, old, strict=True))
+    return old if moved < min_moved else new
+
+
 @component("allocation", "uniform")
 class UniformAllocation(AllocationPolicy):
     """The same number of slots in every MoE layer (TIDE, mixtral-offloading, HybriMoE)."""
@@ -109,13 +118,98 @@ class AdaptiveAllocation(AllocationPolicy):
         split = proportional_split(
             demand, total_slots=total_slots, floor=floor, num_experts=num_experts
         )
-        last = self._last
-        if last is not None and len(last) == len(split):
-            moved = sum(max(0, a - b) for a, b in zip(split, last, strict=True))
-            if moved < self.min_shift * total_slots:
-                return last
-        self._last = split
-        return split
+        self._last = steady(split, self._last, self.min_shift * total_slots)
+        return self._last
+
+
+@component("allocation", "stack")
+class StackAllocation(AllocationPolicy):
+    """Slots per layer by marginal gain on miss curves measured while it runs, no file needed.
+
+    A layer's LRU stack distances (for each expert a forward needs, the experts the layer used
+    at or after that expert's last use) give its misses at every capacity in one pass. LRU's
+    curve drops only once a layer holds its working set, so each layer first gets the slots
+    its working set needs (the `floor_quantile` of its distinct experts per forward, at most
+    the equal share), and the rest goes by marginal gain (oled.policies.curves.split).
+    Re-planned at block ends, once `warmup` forwards are measured (the equal split before);
+    `decay` multiplies the measured histograms at each re-plan (1: every forward counts alike);
+    a re-plan that would move fewer than `min_shift` of all slots keeps the current split.
+    """
+
+    RECENT = 1024  # forwards whose working sets set the floors
+
+    def __init__(
+        self,
+        *,
+        floor_quantile: float = 0.75,
+        decay: float = 1.0,
+        warmup: int = 32,
+        min_shift: float = 0.0,
+    ) -> None:
+        if not 0 <= floor_quantile <= 1 or not 0 < decay <= 1 or warmup < 0 or min_shift < 0:
+            raise ValueError(
+                "floor_quantile in [0, 1], decay in (0, 1], warmup >= 0, min_shift >= 0"
+            )
+        self.floor_quantile, self.decay, self.warmup = floor_quantile, decay, warmup
+        self.min_shift = min_shift
+        self._split: list[int] | None = None
+        self.replan = True
+        self.routing = True
+        self._log: dict[int, list[np.ndarray]] = {}  # layer -> ids of forwards not yet counted
+        self._last: np.ndarray | None = None  # [L, E] int64: forward of each expert's last use
+        self._hist: np.ndarray | None = None  # [L, E + 2] float64: stack distances (E + 1: cold)
+        self._sizes: list[list[int]] = []  # [L] distinct experts of each forward counted
+        self._t = np.zeros(0, np.int64)  # [L] forwards counted per layer
+        self._forwards = 0  # forwards every layer has counted
+
+    def route(self, layer: int, ids: np.ndarray) -> None:
+        """Keep the forward's ids of `layer` until the next re-plan counts them."""
+        self._log.setdefault(layer, []).append(ids.reshape(-1).copy())
+
+    def allocate(
+        self, *, total_slots: int, num_layers: int, num_experts: int, stats: LayerStats | None
+    ) -> list[int]:
+        """The least-misses split on the curves measured so far, above working-set floors."""
+        from oled.policies.curves import split
+
+        self._count(num_layers, num_experts)
+        if self._hist is None or self._forwards < self.warmup:
+            return uniform_split(total_slots, num_layers, num_experts)
+        tail = np.cumsum(self._hist[:, ::-1], axis=1)[:, ::-1]  # [L, E + 2]: distances >= d
+        misses = np.rint(tail[:, 1 : num_experts + 2]).astype(np.int64)  # [L, E + 1]: d > c
+        share = min(total_slots, num_layers * num_experts) // num_layers
+        for layer, sizes in enumerate(self._sizes):
+            floor = min(share, int(np.quantile(sizes, self.floor_quantile)) if sizes else 0)
+            misses[layer, :floor] = np.iinfo(np.int64).max // (4 * num_layers)
+        self._hist *= self.decay
+        self._split = steady(split(misses, total_slots), self._split, self.min_shift * total_slots)
+        return self._split
+
+    def _count(self, num_layers: int, num_experts: int) -> None:
+        """Fold the logged forwards into each layer's stack-distance histogram."""
+        if self._last is None or self._hist is None:
+            self._last = np.full((num_layers, num_experts), -1, np.int64)
+            self._hist = np.zeros((num_layers, num_experts + 2))
+            self._sizes = [[] for _ in range(num_layers)]
+            self._t = np.zeros(num_layers, np.int64)
+        log, self._log = self._log, {}
+        for layer, forwards in log.items():
+            last, hist = self._last[layer], self._hist[layer]  # views
+            for ids in forwards:
+                needed = np.unique(ids)  # [N]
+                before = last[needed]  # [N] forward of each one's last use, -1: never
+                seen = before >= 0
+                hist[num_experts + 1] += int((~seen).sum())
+                if seen.any():
+                    # the experts used at or after each one's last use (itself included)
+                    order = np.sort(last)  # [E]
+                    d = num_experts - np.searchsorted(order, before[seen], side="left")
+                    np.add.at(hist, d, 1)
+                last[needed] = self._t[layer]
+                self._t[layer] += 1
+                self._sizes[layer].append(len(needed))
+            del self._sizes[layer][: -self.RECENT]  # the working set of recent forwards
+        self._forwards = int(self._t.min()) if len(self._t) else 0
 
 
 @component("allocation", "curves")

@@ -207,6 +207,11 @@ class AllocationPolicy(ABC):
     """Splits the GPU expert-slot budget across MoE layers."""
 
     replan: bool = False  # whether the planner re-plans at block boundaries
+    routing: bool = False  # whether the planner hands it every layer's routing (`route`)
+
+    def route(self, layer: int, ids: np.ndarray) -> None:
+        """One forward's routing ids [T, K] of `layer`, when `routing` is set."""
+        return None
 
     @abstractmethod
     def allocate(

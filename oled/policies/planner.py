@@ -493,6 +493,8 @@ class Planner:
             plan = self.native.plan(layer, ids, weights, load)
         else:
             plan = self._plan(layer, ids, weights, load)
+        if self.allocation.routing:
+            self.allocation.route(layer, ids)
         if self.ahead_from == "previous" and self.ahead.limit:
             self._ahead_from_previous(layer, ids, plan)
         return plan

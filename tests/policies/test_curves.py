@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from oled.policies.allocation import CurvesAllocation, uniform_split
+from oled.policies.allocation import CurvesAllocation, StackAllocation, uniform_split
 from oled.policies.base import CostModel
 from oled.policies.curves import MissCurves, split
 from oled.recipe import RecipeError, load_recipe
@@ -99,3 +99,47 @@ def test_a_recipe_names_curves_beside_it(tmp_path) -> None:
     (tmp_path / "r.toml").write_text(text.format("none.json"))
     with pytest.raises(RecipeError, match=r"r.toml:5: .*no such file: .*none.json"):
         load_recipe(tmp_path / "r.toml")
+
+
+def _cycling(forwards: int) -> list[list[np.ndarray]]:
+    """[forward][layer] ids [2, 1]: layer 0 routes experts 0 and 1 every forward, layer 1
+    cycles through 0-5 two at a time (an LRU cache needs all 6 to hit)."""
+    return [
+        [np.array([[0], [1]]), np.array([[2 * (f % 3)], [2 * (f % 3) + 1]])]
+        for f in range(forwards)
+    ]
+
+
+def test_stack_allocation_measures_the_curves_as_it_runs() -> None:
+    """Uniform until warmed up; then each layer's working set first (2 slots each), and the
+    rest where the LRU stack distances say it saves misses: layer 1's cycle of 6."""
+    policy = StackAllocation(warmup=4)
+    sizes = dict(total_slots=8, num_layers=2, num_experts=8, stats=None)
+    for f, layers in enumerate(_cycling(6)):
+        for layer, ids in enumerate(layers):
+            policy.route(layer, ids)
+        if f == 2:
+            assert policy.allocate(**sizes) == [4, 4]  # 3 forwards measured
+    assert policy.allocate(**sizes) == [2, 6]
+
+
+def test_stack_allocation_re_plans_the_planner_s_caches() -> None:
+    """Through the planner: it hands every layer's routing to the policy, and after a block
+    end the cycling layer holds its cycle and stops missing."""
+    from oled.policies.planner import Planner
+    from oled.policies.retention import LRURetention
+
+    planner = Planner.for_model(
+        2, 8, 1, 8, stage_capacity=2, cost=CostModel.profile("h200"),
+        allocation=StackAllocation(warmup=3), retention=LRURetention(),
+    )  # fmt: skip
+    w = np.ones((2, 1), np.float32)
+    for f, layers in enumerate(_cycling(12)):
+        planner.begin_step(step=f, block=f // 3)
+        if f and f % 3 == 0:
+            planner.end_block()
+        for layer, ids in enumerate(layers):
+            plan = planner.plan(layer, ids, w)
+        if f >= 9:
+            assert len(plan.misses) == 0, f"forward {f}: layer 1 still misses"
+    assert planner.capacities == [2, 6]
