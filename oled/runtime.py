@@ -480,6 +480,15 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
     )
 
 
+def check_split(model: str, rt: RuntimeSection) -> Path:
+    """The model's checkpoint directory, once this host and the model allow `rt.devices`
+    processes (enough GPUs; experts that split evenly): a ValueError naming what does not."""
+    check_host(rt.devices, rt.device)
+    path = resolve_model(model)
+    Split(0, rt.devices, ModelConfig.from_json(path).num_experts)
+    return path
+
+
 def _build_split(
     spec: RuntimeSpec,
     dev: torch.device,
@@ -489,12 +498,11 @@ def _build_split(
 ) -> Runtime:
     """This process's runtime of `runtime.devices` that split the experts, all resident."""
     rt = spec.runtime
-    check_host(rt.devices, rt.device)
+    path = check_split(spec.model, rt)
     rank, local = join(rt.devices, dev.type)
     if dev.type == "cuda":
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
-    path = resolve_model(spec.model)
     split = Split(rank, rt.devices, ModelConfig.from_json(path).num_experts)
     ckpt = load_checkpoint(
         path,

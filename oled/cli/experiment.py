@@ -154,12 +154,14 @@ def run(
 ) -> None:
     """Run a recipe: generate, summarise, write a report and plots, log to MLflow."""
     from oled.experiment.run import run_experiment
-    from oled.model.parallel import check_host, launched, start
+    from oled.model.parallel import launched, start
 
     loaded = _load(recipe, set_, require_model=True)  # a missing model: its line
     devices = loaded.runtime.devices
     if devices > 1 and not launched():  # one process per device, each running this command
-        check_host(devices, loaded.runtime.device)
+        from oled.runtime import check_split
+
+        check_split(loaded.model.path, loaded.runtime)
         sets = [a for s in set_ or [] for a in ("--set", s)]
         raise typer.Exit(start(devices, ["run", str(recipe), *sets]))
     run_experiment(loaded)

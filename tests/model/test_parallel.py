@@ -124,3 +124,16 @@ def test_a_host_with_too_few_gpus_is_named(monkeypatch) -> None:
     with pytest.raises(ParallelError, match=r"devices = 2, but this host has 1 GPU"):
         check_host(2, "cuda")
     check_host(2, "cpu")  # CPU processes: any number
+
+
+def test_oled_run_names_a_split_that_cannot_be_before_starting_processes(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from oled.cli import app
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(RECIPE.format(devices=3))
+    result = CliRunner().invoke(app, ["run", str(recipe)])
+    assert result.exit_code == 2
+    assert "32 experts per layer do not split evenly over 3 devices" in result.output
+    assert "torch.distributed" not in result.output  # refused before any process started
