@@ -425,8 +425,14 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
     rt = spec.runtime
     threads = cpu_threads(rt.cpu_threads)
     dev, torch_dtype = pick_device(rt.device), pick_dtype(rt.dtype)
+    settings: dict[str, Any] = {
+        "decode": spec.decode,
+        "graphs": rt.cuda_graphs,
+        "kernels": rt.kernels,
+        "threads": threads,
+    }
     if rt.devices > 1:
-        return _build_split(spec, dev, torch_dtype, threads, progress)
+        return _build_split(spec, dev, torch_dtype, settings, progress)
     check_codec(rt.transfer, torch_dtype)
     fused_kernels.check(rt.kernels, dev)
     fused_kernels.use(rt.kernels)  # the cost calibration below already times these kernels
@@ -448,12 +454,6 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
         progress=progress,
         pin_experts=dev.type == "cuda" and slots is not None,  # pinned only if they stay on host
     )
-    settings: dict[str, Any] = {
-        "decode": spec.decode,
-        "graphs": rt.cuda_graphs,
-        "kernels": rt.kernels,
-        "threads": threads,
-    }
     if slots is None:
         executor = ResidentExperts(ckpt.experts, dev)
         return Runtime(checkpoint=ckpt, device=dev, executor=executor, **settings)
@@ -480,30 +480,32 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
     )
 
 
-def check_split(model: str, rt: RuntimeSection) -> Path:
-    """The model's checkpoint directory, once this host and the model allow `rt.devices`
-    processes (enough GPUs; experts that split evenly): a ValueError naming what does not."""
+def check_split(model: str, rt: RuntimeSection) -> tuple[Path, int]:
+    """(the model's checkpoint directory, its experts per layer), once this host and the model
+    allow `rt.devices` processes (enough GPUs; experts that split evenly): a ValueError naming
+    what does not."""
     check_host(rt.devices, rt.device)
     path = resolve_model(model)
-    Split(0, rt.devices, ModelConfig.from_json(path).num_experts)
-    return path
+    experts = ModelConfig.from_json(path).num_experts
+    Split(0, rt.devices, experts)
+    return path, experts
 
 
 def _build_split(
     spec: RuntimeSpec,
     dev: torch.device,
     dtype: torch.dtype,
-    threads: ThreadChoice,
+    settings: dict[str, Any],
     progress: bool,
 ) -> Runtime:
     """This process's runtime of `runtime.devices` that split the experts, all resident."""
     rt = spec.runtime
-    path = check_split(spec.model, rt)
+    path, experts = check_split(spec.model, rt)
     rank, local = join(rt.devices, dev.type)
     if dev.type == "cuda":
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
-    split = Split(rank, rt.devices, ModelConfig.from_json(path).num_experts)
+    split = Split(rank, rt.devices, experts)
     ckpt = load_checkpoint(
         path,
         device=dev,
@@ -516,10 +518,7 @@ def _build_split(
         checkpoint=ckpt,
         device=dev,
         executor=ShardedExperts(ckpt.experts, dev, split),
-        decode=spec.decode,
-        graphs=rt.cuda_graphs,
-        kernels=rt.kernels,
-        threads=threads,
+        **settings,
     )
 
 

@@ -274,9 +274,8 @@ def run_experiment(
     check_store(recipe)  # an MLflow store that cannot open fails before the model loads
     start = time.perf_counter()
     runtime = factory(recipe)  # set-up errors (model, budget, device) raise before any run
-    if (
-        not is_main()
-    ):  # one more process of runtime.devices: it decodes beside rank 0, which reports
+    # one more process of runtime.devices: it decodes beside rank 0, which reports
+    if not is_main():
         run_loaded(runtime, recipe, work, Console(quiet=True))
         return None
     with tracked_run(recipe) as tracker:

@@ -181,6 +181,15 @@ class ResidentExperts:
 
     def __call__(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         with stage("grouped GEMM"):
-            pairs = expert_pairs(x, ids, weights, self.table.w13[layer], self.table.w2[layer])
+            pairs = self.pairs(layer, x, ids, weights)  # [T, K, H] fp32
+        pairs = self.gather(pairs)
         with stage("combine"):
             return combine(pairs, x.dtype)
+
+    def pairs(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """The weighted (token, expert) outputs [T, K, H] fp32 of the table's experts."""
+        return expert_pairs(x, ids, weights, self.table.w13[layer], self.table.w2[layer])
+
+    def gather(self, pairs: Tensor) -> Tensor:
+        """Every pair of the layer, where other executors computed some (here: all are)."""
+        return pairs

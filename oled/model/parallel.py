@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from oled.model.experts import ExpertStore, combine, expert_pairs
+from oled.model.experts import ExpertStore, ResidentExperts
 from oled.model.stages import stage
 from oled.threads import visible_cpus
 
@@ -123,7 +123,7 @@ def is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-class ShardedExperts:
+class ShardedExperts(ResidentExperts):
     """The expert executor of one process of several: its share of the experts resident on
     its device, the pairs of all shares summed by one all-reduce per MoE layer."""
 
@@ -134,15 +134,17 @@ class ShardedExperts:
             raise ParallelError(
                 f"a store of {store.num_experts} experts for a share of {split.per}"
             )
+        super().__init__(store, device)
         self.split = split
-        self.table = store.to(device)
         self.rows = split.rows(device)  # [E]
 
-    def __call__(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        with stage("grouped GEMM"):
-            slots = self.rows[ids]  # [T, K] this share's rows, -1 elsewhere
-            pairs = expert_pairs(x, slots, weights, self.table.w13[layer], self.table.w2[layer])
+    def pairs(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """This share's pairs [T, K, H] fp32, zeros for the others' experts."""
+        return super().pairs(layer, x, self.rows[ids], weights)  # rows: -1 elsewhere
+
+    def gather(self, pairs: Tensor) -> Tensor:
+        """The pairs of every share, summed over the processes: each pair is non-zero on the
+        one process holding its expert."""
         with stage("all-reduce"):
-            dist.all_reduce(pairs)  # [T, K, H] fp32: each pair from the one process holding it
-        with stage("combine"):
-            return combine(pairs, x.dtype)
+            dist.all_reduce(pairs)
+        return pairs

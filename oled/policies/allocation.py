@@ -160,7 +160,6 @@ class StackAllocation(AllocationPolicy):
         self._hist: np.ndarray | None = None  # [L, E + 2] float64: stack distances (E + 1: cold)
         self._sizes: list[list[int]] = []  # [L] distinct experts of each forward counted
         self._t = np.zeros(0, np.int64)  # [L] forwards counted per layer
-        self._forwards = 0  # forwards every layer has counted
 
     def route(self, layer: int, ids: np.ndarray) -> None:
         """Keep the forward's ids of `layer` until the next re-plan counts them."""
@@ -209,7 +208,11 @@ class StackAllocation(AllocationPolicy):
                 self._t[layer] += 1
                 self._sizes[layer].append(len(needed))
             del self._sizes[layer][: -self.RECENT]  # the working set of recent forwards
-        self._forwards = int(self._t.min()) if len(self._t) else 0
+
+    @property
+    def _forwards(self) -> int:
+        """Forwards every layer has counted."""
+        return int(self._t.min()) if len(self._t) else 0
 
 
 @component("allocation", "curves")

@@ -121,6 +121,30 @@ class LayerPlan:
     ahead_slots: np.ndarray = field(default_factory=lambda: _EMPTY)
 
 
+def layer_times(
+    plan: LayerPlan,
+    cost: CostModel,
+    *,
+    hits_start: float = 0.0,
+    copy_start: float = 0.0,
+    cpu_start: float = 0.0,
+) -> tuple[float, float, float, float]:
+    """One layer's plan by the cost model, in ms: (hits done, copies done, GPU done, CPU done).
+    The GPU computes the hits from `hits_start`, the copies (cache and stage) run back to back
+    from `copy_start`, the experts they bring compute once they are done, and the CPU runs its
+    experts one after another from `cpu_start` (the planner's spare link time and the
+    simulator's timeline)."""
+    n_hits = len(plan.hits)
+    hits_end = hits_start + float(cost.gpu_ms(n_hits))
+    copy_done = copy_start + float(cost.copy_ms(len(plan.copy_experts) + len(plan.stage_experts)))
+    n_late = len(plan.gpu_experts) - n_hits + len(plan.stage_experts)
+    gpu_end = max(hits_end, copy_done) + float(cost.gpu_ms(n_late)) if n_late else hits_end
+    cpu_end = cpu_start
+    if len(plan.cpu_experts):
+        cpu_end += float(np.sum(cost.cpu_ms(plan.cpu_tokens)))
+    return hits_end, copy_done, gpu_end, cpu_end
+
+
 def write_maps(maps: np.ndarray, plan: LayerPlan, stage_capacity: int) -> int:
     """The plan's expert -> slot maps into `maps` [R, E]: row HIT the slot of each cached
     expert not copied by this plan, COPIED the slots of the experts copied now, STAGED + r the
@@ -661,15 +685,8 @@ class Planner:
         next layer's demand copies (its layer end plus the work between layers), so that
         copies ahead never delay a demand miss when the model holds."""
         c = self.cost
-        n_copy = len(plan.copy_experts) + len(plan.stage_experts)
-        n_hits = len(plan.hits)
-        copy_end = c.copy_ms(n_copy)
-        gpu_end = c.gpu_ms(n_hits)
-        if n_copy:
-            late = len(plan.gpu_experts) - n_hits + len(plan.stage_experts)
-            gpu_end = max(gpu_end, copy_end) + c.gpu_ms(late)
-        cpu_end = float(np.sum(c.cpu_ms(plan.cpu_tokens))) if len(plan.cpu_experts) else 0.0
-        spare = max(gpu_end, cpu_end) + c.layer_ms - copy_end - c.copy_fixed_ms
+        _, copy_done, gpu_end, cpu_end = layer_times(plan, c)
+        spare = max(gpu_end, cpu_end) + c.layer_ms - copy_done - c.copy_fixed_ms
         return max(0, int(spare // c.copy_ms_per_expert)) if c.copy_ms_per_expert > 0 else 0
 
     def _room(self, layer: int, n: int, protect: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -265,7 +265,7 @@ def _check_model(model: str, where: Locator) -> None:
 def _check_trace(path: Path, loc: tuple[str, ...], where: Locator, model: str) -> int:
     """A trace file that a recipe names at `loc`: readable, a trace, and routing like the
     recipe's model where that model's config is on this machine; its prompt count."""
-    from oled.trace.format import prompt_count
+    from oled.trace.format import prompt_count, read_meta
 
     try:
         count = prompt_count(path)
@@ -275,7 +275,7 @@ def _check_trace(path: Path, loc: tuple[str, ...], where: Locator, model: str) -
     except ValueError as exc:
         raise RecipeError(where.line(loc, str(exc))) from None
     try:
-        mismatch = routes_unlike(trace_meta(path), model)
+        mismatch = routes_unlike(read_meta(path), model)
     except ValueError as exc:  # the model's config.json
         raise RecipeError(where.line(("model", "path"), str(exc))) from None
     if mismatch is not None:
@@ -292,13 +292,6 @@ def _check_study_trace(recipe: Recipe, where: Locator, base: Path | None) -> Non
     elif tune.objective == "simulate":
         problem = f"'simulate' replays a trace: set tune.trace ({RECORD.format(path='PATH')})"
         raise RecipeError(where.line(("tune", "objective"), problem))
-
-
-def trace_meta(path: Path) -> Any:
-    """A trace file's TraceMeta (its header only, where it is not compressed)."""
-    from oled.trace.format import read_meta
-
-    return read_meta(path)
 
 
 def model_config(model: str) -> ModelConfig | None:

@@ -26,7 +26,7 @@ from oled.policies.base import (
     RetentionPolicy,
     StepContext,
 )
-from oled.policies.planner import AheadFrom, LayerPlan, Planner
+from oled.policies.planner import AheadFrom, LayerPlan, Planner, layer_times
 from oled.trace.format import Trace
 
 if TYPE_CHECKING:
@@ -79,34 +79,27 @@ class _Clock:
         self.cpu_free = max(0.0, self.cpu_free - t)
         self.ahead = {k: max(0.0, v - t) for k, v in self.ahead.items()}
 
-    def copy(self, t0: float, n: int, cost: CostModel) -> float:
-        """Queue n copies on the link from t0; returns when they are done."""
-        ms = float(cost.copy_ms(n))
-        self.copy_free = max(t0, self.copy_free) + ms
-        self.copy_busy += ms
-        return self.copy_free
-
     def layer(self, t0: float, plan: LayerPlan, cost: CostModel) -> float:
-        """Advance through one layer; returns its end time."""
+        """Advance through one layer (planner.layer_times from the queues' state); returns its
+        end time."""
         ready = self.ahead.pop(plan.layer, t0)  # copies ahead into this layer's slots
         self.stall += max(0.0, ready - t0)
-        n_hits = len(plan.hits)
-        # counts are ints, so the costs are floats (arrays of counts give arrays)
-        gpu_end = max(t0, ready) + float(cost.gpu_ms(n_hits))
-        n_copy = len(plan.copy_experts) + len(plan.stage_experts)
-        if n_copy:
-            copy_done = self.copy(t0, n_copy, cost)
-            n_late = len(plan.gpu_experts) - n_hits + len(plan.stage_experts)
-            if n_late:
-                self.stall += max(0.0, copy_done - gpu_end)
-                gpu_end = max(gpu_end, copy_done) + float(cost.gpu_ms(n_late))
-        cpu_end = t0
+        copy_start = max(t0, self.copy_free)
+        cpu_start = max(t0, self.cpu_free) if len(plan.cpu_experts) else t0
+        hits_end, copy_done, gpu_end, cpu_end = layer_times(
+            plan, cost, hits_start=max(t0, ready), copy_start=copy_start, cpu_start=cpu_start
+        )
+        if copy_done > copy_start:
+            self.copy_free, self.copy_busy = copy_done, self.copy_busy + copy_done - copy_start
+        if gpu_end > hits_end:  # experts that wait for this layer's copies
+            self.stall += max(0.0, copy_done - hits_end)
         if len(plan.cpu_experts):
-            work = float(np.sum(cost.cpu_ms(plan.cpu_tokens)))
-            cpu_end = max(t0, self.cpu_free) + work
             self.cpu_free = cpu_end
         if len(plan.ahead_experts):
-            self.ahead[plan.ahead_layer] = self.copy(t0, len(plan.ahead_experts), cost)
+            ms = float(cost.copy_ms(len(plan.ahead_experts)))
+            self.copy_free = max(t0, self.copy_free) + ms
+            self.copy_busy += ms
+            self.ahead[plan.ahead_layer] = self.copy_free
         return max(gpu_end, cpu_end)
 
 
