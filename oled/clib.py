@@ -376,6 +376,7 @@ class Library:
     parts: tuple[Part, ...]
     includes: tuple[Path, ...] = ()  # hand-written headers (in the build's tag)
     declare: Callable[[ctypes.CDLL], None] = lambda lib: None
+    flags: tuple[str, ...] = ()  # after FLAGS; "-march=native" tags the build by the CPU
     _loaded: ctypes.CDLL | NativeUnavailable | None = field(default=None, repr=False)
 
     def load(self) -> ctypes.CDLL:
@@ -415,7 +416,9 @@ class Library:
 
     def _target(self) -> Path | NativeUnavailable:
         """The library's path in the cache, tagged by the flags, sources and headers."""
-        digest = hashlib.sha256(" ".join(FLAGS).encode())
+        digest = hashlib.sha256(" ".join((*FLAGS, *self.flags)).encode())
+        if "-march=native" in self.flags:
+            digest.update(cpu_features().encode())
         for path in (*self.sources, *self.includes):
             try:
                 digest.update(path.read_bytes())
@@ -434,12 +437,22 @@ class Library:
                 Path(work, name).write_text(text)
             dirs = dict.fromkeys([work, *(str(h.parent) for h in self.includes)])
             tmp = Path(work, target.name)  # then renamed: no torn file
-            cmd = [cc, *FLAGS, *(f"-I{d}" for d in dirs), "-o", str(tmp)]
+            cmd = [cc, *FLAGS, *self.flags, *(f"-I{d}" for d in dirs), "-o", str(tmp)]
             cmd += [*map(str, self.sources), "-lm"]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode:
                 raise NativeUnavailable(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
             os.replace(tmp, target)
+
+
+def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model and feature flags (a build for this CPU only is tagged by them)."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keys = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in keys))
 
 
 def compiler() -> str:

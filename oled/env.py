@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -236,10 +237,20 @@ def calibration_rows(report: Report) -> None:
         report.add(
             f"cost {c.file.stem.removeprefix('cost-')}",
             f"{c.measured}, {k['device']}, experts {k['expert shape']} {k['dtype']}, "
-            f"{k['threads']} threads: copy {cost.copy_ms_per_expert:.3g} ms/expert, CPU expert "
-            f"{cost.cpu_fixed_ms:.3g} + {cost.cpu_ms_per_token:.3g} ms/token, GPU "
+            f"{k['threads']} threads: copy {cost.copy_ms_per_expert:.3g} ms/expert"
+            f"{rate(k, cost.copy_ms_per_expert)}, CPU expert {cost.cpu_fixed_ms:.3g} + "
+            f"{cost.cpu_ms_per_token:.3g} ms/token{rate(k, cost.cpu_ms(1))} at 1 token, GPU "
             f"{cost.gpu_fixed_ms:.3g} + {cost.gpu_ms_per_expert:.3g} ms/expert ({how})",
         )
+
+
+def rate(parts: dict[str, str], ms: float) -> str:
+    """ " (N GB/s)": one expert of a calibration's shape and dtype moved or computed in `ms`."""
+    shape = [int(v) for v in re.findall(r"\d+", parts.get("expert shape", ""))]
+    size = {"bfloat16": 2, "float16": 2, "float32": 4}.get(parts.get("dtype", ""))
+    if len(shape) != 2 or not size or ms <= 0:
+        return ""
+    return f" ({1.5 * shape[0] * shape[1] * size / ms / 1e6:.3g} GB/s)"  # w13 [2I, H] + w2
 
 
 def recalibrate() -> list[str]:

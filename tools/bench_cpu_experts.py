@@ -1,16 +1,23 @@
-"""Time CPU experts as the offload engine computes them (`oled.model.experts.expert_rows`): one
-MoE layer's experts of LLaDA2.0-mini's shape in host memory, one to several experts per call,
-1-8 tokens each, for some thread counts and weight dtypes.
+"""CPU experts as the offload engine computes them (`oled.model.experts.expert_rows`), in GB/s of
+expert weights: the C kernel (oled.kernels.cpu) against torch's products, per token count per
+expert, experts per call and thread count; the host's read bandwidth beside them; and, on a CUDA
+machine, both again while pinned copies to the GPU run at full rate.
 
-Usage: python tools/bench_cpu_experts.py [--experts 64] [--threads 1,4,8,16] [--pin]
+One MoE layer of LLaDA2.0-mini's shape (256 experts, 1.6 GB in bf16) in pinned host memory; each
+call takes other experts than the last, so their weights come from memory, not from the caches.
+
+Usage: python tools/bench_cpu_experts.py [--threads 1,4,8,16] [--tokens 1,2,4,8,16,32,64]
+    [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,66 +25,146 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from oled.clib import cpu_features  # noqa: E402
+from oled.kernels import cpu  # noqa: E402
 from oled.model.config import mini_config  # noqa: E402
 from oled.model.experts import expert_rows  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--experts", type=int, default=64, help="experts in the layer (distinct weights)"
-    )
+    ap.add_argument("--experts", type=int, default=256, help="experts in the layer")
     ap.add_argument("--threads", default=f"1,4,{os.cpu_count()}")
-    ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--pin", action="store_true", help="pinned host memory, as when serving CUDA")
-    ap.add_argument("--repeat", type=int, default=40)
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64", help="tokens per expert")
+    ap.add_argument("--per-call", default="1,8", help="experts per call")
+    ap.add_argument("--seconds", type=float, default=0.3, help="timed per row")
+    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     cfg = mini_config()
-    h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    pin = torch.cuda.is_available()
+    w13 = torch.empty(args.experts, 2 * i, h, dtype=torch.bfloat16, pin_memory=pin)
+    w2 = torch.empty(args.experts, h, i, dtype=torch.bfloat16, pin_memory=pin)
+    w13.normal_(0, 0.02), w2.normal_(0, 0.02)
+    flags = cpu_features().split()
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     print(
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}, mkldnn bf16: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}"
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs ({' '.join(isa)}), "
+        f"torch {torch.__version__}, C kernel: {cpu.unsupported(w13[0, 0], w13, w2) or 'built'}"
     )
+    rows: list[dict[str, object]] = []
+    threads = [int(t) for t in args.threads.split(",")]
+    for t in threads:
+        rows.append({"what": "host read", "threads": t, "gbs": read_bandwidth(t, args.seconds)})
+        print(f"host read, {t} threads: {rows[-1]['gbs']:.1f} GB/s", flush=True)
     print(
-        f"{'dtype':9s} {'threads':>7s} {'experts':>7s} {'tokens':>6s} {'ms/call':>8s} "
-        f"{'ms/expert':>9s} {'GB/s':>6s}"
+        f"{'kernel':6s} {'threads':>7s} {'experts':>7s} {'tokens':>6s} {'ms/expert':>9s} {'GB/s':>6s}"
     )
-    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
-        w13 = torch.randn(args.experts, 2 * i, h).to(dtype)
-        w2 = torch.randn(args.experts, h, i).to(dtype)
-        if args.pin:
-            w13, w2 = w13.pin_memory(), w2.pin_memory()
-        nbytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-        for threads in [int(t) for t in args.threads.split(",")]:
-            torch.set_num_threads(threads)
-            for n_experts, tokens in [(1, 1), (1, 2), (1, 8), (4, 1), (4, 2)]:
-                ms = time_call(w13, w2, n_experts, tokens, k, args.repeat)
-                gbs = n_experts * nbytes / ms / 1e6
-                print(
-                    f"{str(dtype)[6:]:9s} {threads:7d} {n_experts:7d} {tokens:6d} {ms:8.3f} "
-                    f"{ms / n_experts:9.3f} {gbs:6.1f}",
-                    flush=True,
-                )
+    grid = [
+        (e, n) for e in map(int, args.per_call.split(",")) for n in map(int, args.tokens.split(","))
+    ]
+    for mode in ("auto", "torch"):
+        for t in threads:
+            for per_call, tokens in grid:
+                rows.append(timed(w13, w2, mode, t, per_call, tokens, args.seconds))
+    if torch.cuda.is_available():
+        with Copies(w13, w2) as copies:
+            for mode in ("auto", "torch"):
+                for per_call, tokens in [(8, 1), (8, 2), (8, 4), (8, 8)]:
+                    rows.append(timed(w13, w2, mode, threads[-1], per_call, tokens, args.seconds))
+                    rows[-1]["beside copies"] = True
+        rows.append({"what": "copies beside CPU experts", "gbs": copies.gbs})
+        print(f"copies beside them: {copies.gbs:.1f} GB/s")
+        with Copies(w13, w2) as alone:
+            time.sleep(1.0)
+        rows.append({"what": "copies alone", "gbs": alone.gbs})
+        print(f"copies alone: {alone.gbs:.1f} GB/s")
+    if args.out:
+        args.out.write_text(json.dumps({"isa": isa, "rows": rows}, indent=1))
 
 
-def time_call(w13, w2, n_experts: int, tokens: int, k: int, repeat: int) -> float:
-    """ms per expert_rows call: `tokens` tokens routed to each of `n_experts` experts (other
-    experts each call, so their weights come from memory, not from the CPU's caches)."""
-    e = w13.shape[0]
-    t = n_experts * tokens  # one pair per token here: slot of pair 0, -1 elsewhere
-    x = torch.randn(t, w13.shape[2]).to(w13.dtype)
-    weights = torch.rand(t, k)
-    total = 0.0
-    for r in range(repeat + 2):
-        first = (r * n_experts) % (e - n_experts + 1)
-        slots = torch.full((t, k), -1, dtype=torch.long)
-        slots[:, 0] = first + torch.arange(t) // tokens
+def read_bandwidth(threads: int, seconds: float) -> float:
+    """GB/s of a sum over 2 GiB of fp32 with `threads` intra-op threads."""
+    torch.set_num_threads(threads)
+    big = torch.ones(512 * 2**20)
+    big.sum()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds or n < 2:
+        big.sum()
+        n += 1
+    return n * big.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+
+def timed(w13, w2, mode: str, threads: int, per_call: int, tokens: int, seconds: float) -> dict:
+    """One row: `per_call` experts with `tokens` tokens each per call, other experts each call."""
+    cpu.use(mode)
+    torch.set_num_threads(threads)
+    e, h = w13.shape[0], w13.shape[2]
+    t = per_call * tokens
+    x = torch.randn(t, h).bfloat16()
+    weights = torch.rand(t, 1)
+    nbytes = (w13[0].numel() + w2[0].numel()) * 2
+    calls, first, spent = 0, 0, 0.0
+    while spent < seconds or calls < 3:
+        slots = (first + torch.arange(t) // tokens).view(t, 1) % e  # [T, 1]
+        first = (first + per_call) % e
         t0 = time.perf_counter()
         with torch.inference_mode():
             expert_rows(x, slots, weights, w13, w2)
-        if r >= 2:
-            total += time.perf_counter() - t0
-    return 1000 * total / repeat
+        if calls >= 2:  # two warm-up calls
+            spent += time.perf_counter() - t0
+        calls += 1
+    ms = 1000 * spent / (calls - 2) / per_call
+    name = (
+        "C" if mode == "auto" and cpu.chosen(x, w13, w2) and tokens <= cpu.MAX_TOKENS else "torch"
+    )
+    print(
+        f"{name:6s} {threads:7d} {per_call:7d} {tokens:6d} {ms:9.3f} {nbytes / ms / 1e6:6.1f}",
+        flush=True,
+    )
+    cpu.use("auto")
+    return {
+        "kernel": name,
+        "threads": threads,
+        "experts": per_call,
+        "tokens": tokens,
+        "ms": ms,
+        "gbs": nbytes / ms / 1e6,
+    }
+
+
+class Copies:
+    """Pinned expert copies to the GPU on their own stream, back to back, from another thread,
+    until the block ends: `gbs` their rate."""
+
+    def __init__(self, w13, w2) -> None:
+        self.src = (w13, w2)
+        self.dst = [torch.empty_like(w[:32], device="cuda") for w in self.src]
+        self.stream = torch.cuda.Stream()
+        self.stop = threading.Event()
+        self.gbs = 0.0
+
+    def __enter__(self) -> Copies:
+        self.thread = threading.Thread(target=self.run)
+        self.thread.start()
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def run(self) -> None:
+        e, batches, t0 = self.src[0].shape[0], 0, time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            while not self.stop.is_set():
+                first = (32 * batches) % (e - 32)
+                for s, d in zip(self.src, self.dst, strict=True):
+                    d.copy_(s[first : first + 32], non_blocking=True)
+                self.stream.synchronize()
+                batches += 1
+        nbytes = sum(d.numel() * 2 for d in self.dst)
+        self.gbs = batches * nbytes / (time.perf_counter() - t0) / 1e9
 
 
 if __name__ == "__main__":

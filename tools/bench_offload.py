@@ -39,6 +39,7 @@ from oled.bench import (  # noqa: E402
     write_report,
 )
 from oled.decoding import DecodeConfig  # noqa: E402
+from oled.kernels import cpu  # noqa: E402
 from oled.kernels import use as use_kernels  # noqa: E402
 from oled.model.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from oled.model.codec import describe  # noqa: E402
@@ -103,6 +104,7 @@ class Combo(NamedTuple):
     batched: bool
     driver: bool | None
     transfer: str
+    cpu_experts: str  # oled.kernels.cpu.use: "auto" (the C kernel) or "torch"
 
 
 @dataclass
@@ -262,6 +264,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="TRACE",
         help="replay this trace's routing, confidences and commits (resident with graphs only)",
     )
+    ap.add_argument(
+        "--cpu-experts",
+        choices=list(KERNEL_MODES),
+        default="auto",
+        help="CPU experts through the C kernel (auto), torch's products, or both rows",
+    )
     ap.add_argument("--prompts", default="all", help="the trace's prompts to replay: all, I, A:B")
     ap.add_argument(
         "--cprofile",
@@ -335,8 +343,9 @@ def combos(args: argparse.Namespace, kernel_modes: list[str]) -> list[Combo]:
     planners, launches = args.planner.split(","), args.copies.split(",")
     drivers = [None if d == "auto" else False for d in args.driver.split(",")]
     transfers = args.transfers.split(",")
+    cpu_modes = KERNEL_MODES[args.cpu_experts]
     return [
-        Combo(n, g, k, a, pl, c == "batched", d, t)
+        Combo(n, g, k, a, pl, c == "batched", d, t, m)
         for n in names
         for g in graph_modes
         for k in kernel_modes
@@ -345,6 +354,7 @@ def combos(args: argparse.Namespace, kernel_modes: list[str]) -> list[Combo]:
         for c in launches
         for d in drivers
         for t in transfers
+        for m in cpu_modes
     ]
 
 
@@ -365,6 +375,7 @@ def offloaded_row(
     use_batches(c.batched)
     p = CONFIGS[c.name]()
     use_kernels(c.kernels)  # the cost calibration times the kernels the row runs
+    cpu.use(c.cpu_experts)
     transfer = bench.transfer(c.transfer)
     cost, costs = decision_cost(args.cost, ckpt, dev, transfer)  # priced by what a copy moves
     planner = make_planner(
@@ -418,6 +429,7 @@ def row_label(c: Combo, frac: float, recorded: bool, compiled: bool, engine: Off
     label += "" if c.batched else " copies-each"
     label += " python-launch" if c.graphs and engine.cuda and engine.driver is None else ""
     label += "" if c.transfer == "plain" else f" {describe(c.transfer)}"
+    label += "" if c.cpu_experts == "auto" else " torch-cpu-experts"
     return label
 
 

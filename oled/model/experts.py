@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from oled import kernels
+from oled.kernels import cpu
 from oled.model.stages import stage
 
 _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -136,12 +137,41 @@ def expert_rows(
     """On the CPU, only the pairs this table computes: (index [N] of each pair in the T*K
     flattened pairs, its weighted output [N, H] fp32); the same values as `expert_pairs`.
     A CPU expert's call has a few rows of the T*K, and touching all of them costs milliseconds.
+    bf16 experts with at most `cpu.MAX_TOKENS` pairs go through the C kernel where
+    `cpu.chosen`: the same rounding points, sums in another order.
     """
-    s = w13.shape[0]
+    s, k = w13.shape[0], slots.shape[1]
     order, grouped = _by_slot(slots, s)
     n = int(torch.count_nonzero(grouped < s))  # valid pairs sort first
     order, grouped = order[:n], grouped[:n]  # [N]
-    return order, _weighted_mlp(x, order, grouped, slots.shape[1], weights, w13, w2)
+    if not cpu.chosen(x, w13, w2):
+        return order, _weighted_mlp(x, order, grouped, k, weights, w13, w2)
+    experts, counts = torch.unique_consecutive(grouped, return_counts=True)  # [G], [G]
+    few = (counts <= cpu.MAX_TOKENS).repeat_interleave(counts)  # [N] pairs for the C kernel
+    if bool(few.all()):
+        return order, _native_rows(x, order, experts, counts, k, weights, w13, w2)
+    rows = torch.empty(n, x.shape[-1], dtype=torch.float32)  # [N, H]
+    small = counts <= cpu.MAX_TOKENS
+    rows[few] = _native_rows(x, order[few], experts[small], counts[small], k, weights, w13, w2)
+    rows[~few] = _weighted_mlp(x, order[~few], grouped[~few], k, weights, w13, w2)
+    return order, rows
+
+
+def _native_rows(
+    x: Tensor,
+    order: Tensor,
+    experts: Tensor,
+    counts: Tensor,
+    k: int,
+    weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+) -> Tensor:
+    """`_weighted_mlp` through the C kernel (oled.kernels.cpu): [N, H] fp32, pairs grouped by
+    expert (`counts` [G] pairs of each of `experts` [G], in `order` [N])."""
+    offs = F.pad(counts.cumsum(0), (1, 0))  # [G + 1]
+    w = weights.reshape(-1)[order]  # [N]
+    return cpu.expert_rows(x, experts, offs, order // k, w, w13, w2)
 
 
 def _by_slot(slots: Tensor, s: int) -> tuple[Tensor, Tensor]:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from oled import kernels
+from oled.kernels import cpu
 from oled.model.experts import ExpertStore, expert_pairs, expert_rows
 from oled.offload.copies import Rows, launch
 from oled.policies.base import CostModel
@@ -141,6 +142,7 @@ def machine_parts(store: ExpertStore, device: torch.device, threads: int) -> dic
         "pinned": str(store.pinned),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "kernels": kernels.describe(device),
+        "cpu experts": cpu.describe(store.w13[0], store.w2[0]),
         "paths": _PATHS,
         "method": _METHOD,
     }

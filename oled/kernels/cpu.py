@@ -1,0 +1,160 @@
+"""Routed experts on the CPU in C (cpu_experts.c): the weights streamed once per call at close to
+the host's memory bandwidth, on the threads of torch's OpenMP runtime (`team`).
+
+`expert_rows` computes what `oled.model.experts.expert_rows` computes with torch, for experts
+whose few tokens (decode) make torch's matrix products slow: the same rounding points, sums in
+another order (tests/kernels states the agreement). The build is tuned to the machine
+(-march=native, tagged by the CPU's features), so that vector units such as AVX-512 are used;
+the results do not depend on the vector width or the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from oled.clib import Field, Library, NativeUnavailable, Part, Struct
+
+JOB = Struct(
+    "ExpertJob",
+    (
+        *Field.many("int64_t", "hidden inter groups threads"),
+        Field("x", "const uint16_t *", "[T, H] activations, bf16"),
+        *Field.many("const uint16_t *", "w13 w2", "the layer's tables [E, 2I, H], [E, H, I]"),
+        Field("expert", "const int64_t *", "[G] expert of each group"),
+        Field("offs", "const int64_t *", "[G + 1] first pair of each group, then N"),
+        Field("token", "const int64_t *", "[N] activation row of each pair"),
+        Field("weight", "const float *", "[N] gate weight of each pair"),
+        *Field.many("float *", "xf act", "scratch [N, H], [N, I]"),
+        Field("out", "float *", "[N, H] weighted outputs"),
+        Field("parallel", "void *", "GOMP_parallel of torch's OpenMP, or NULL: own threads"),
+    ),
+    doc="One layer's CPU experts: pairs grouped by expert.",
+)
+PART = Part("experts", structs=(JOB,), doc="oled/kernels/cpu.py")
+LANES = 16  # cpu_experts.c sums rows in 16 lanes: H and I must be multiples
+MAX_TOKENS = 8  # experts with more pairs go to torch's matrix products (faster from there)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.oled_experts.restype = ctypes.c_int64
+    lib.oled_experts.argtypes = [ctypes.c_void_p]
+
+
+LIBRARY = Library(
+    "experts",
+    (Path(__file__).parent / "cpu_experts.c",),
+    (PART,),
+    declare=_declare,
+    flags=("-O3", "-march=native", "-ffp-contract=fast", "-pthread"),
+)
+
+
+MODES = ("auto", "torch")
+_mode = "auto"
+
+
+def use(mode: str) -> None:
+    """CPU experts for the whole process: "auto" (the C kernel wherever it can run, unless
+    `oled.kernels.use("torch")`) or "torch" (torch's products; benchmarks compare the two)."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"unknown CPU expert kernels {mode!r}; choose from {', '.join(MODES)}")
+    _mode = mode
+
+
+def chosen(x: Tensor, w13: Tensor, w2: Tensor) -> bool:
+    """These tensors' experts go through the C kernel."""
+    from oled import kernels
+
+    return _mode == "auto" and kernels.mode() != "torch" and unsupported(x, w13, w2) is None
+
+
+def describe(w13: Tensor, w2: Tensor) -> str:
+    """The CPU experts of these tables, in words (for reports and the calibration's key)."""
+    x = torch.empty(1, w13.shape[-1], dtype=w13.dtype)
+    if not chosen(x, w13.cpu()[:1], w2.cpu()[:1]):
+        return "torch"
+    threads = "torch's OpenMP threads" if team() else "threads of its own"
+    return f"C up to {MAX_TOKENS} tokens, on {threads}"
+
+
+def unsupported(x: Tensor, w13: Tensor, w2: Tensor) -> str | None:
+    """Why these tensors cannot go through the C kernel (None when they can)."""
+    if x.device.type != "cpu" or w13.device.type != "cpu":
+        return "not on the CPU"
+    if not (x.dtype == w13.dtype == w2.dtype == torch.bfloat16):
+        return f"dtypes {x.dtype}, {w13.dtype}, {w2.dtype}, not bfloat16"
+    if x.shape[-1] % LANES or w2.shape[-1] % LANES:
+        return f"hidden {x.shape[-1]} and expert intermediate {w2.shape[-1]} not multiples of 16"
+    if not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()):
+        return "non-contiguous tensors"
+    try:
+        LIBRARY.load()
+    except NativeUnavailable as e:
+        return str(e)
+    return None
+
+
+@functools.cache
+def team() -> int | None:
+    """The address of GOMP_parallel in the OpenMP runtime that this process has loaded (torch's,
+    libgomp or LLVM's libomp, which keeps the same entry), or None (the kernel then runs on
+    threads of its own)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    paths = dict.fromkeys(line.split()[-1] for line in maps if "omp" in line.rsplit("/", 1)[-1])
+    for path in paths:
+        try:
+            return ctypes.cast(ctypes.CDLL(path).GOMP_parallel, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def expert_rows(
+    x: Tensor,
+    experts: Tensor,
+    offs: Tensor,
+    tokens: Tensor,
+    weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+) -> Tensor:
+    """Weighted SwiGLU outputs [N, H] fp32 of N (token, expert) pairs grouped by expert.
+
+    x [T, H]; experts [G] int64 (rows of w13/w2); offs [G + 1] int64, group g's pairs are
+    offs[g]:offs[g + 1]; tokens [N] int64 row of x of each pair; weights [N] fp32; w13 [E, 2I,
+    H]; w2 [E, H, I]. Uses torch's thread count. Call `unsupported` first.
+    """
+    n, h, inter = int(offs[-1]), x.shape[-1], w2.shape[-1]
+    experts, offs, tokens = (t.to(torch.int64).contiguous() for t in (experts, offs, tokens))
+    weights = weights.to(torch.float32).contiguous()
+    xf = torch.empty(n, h, dtype=torch.float32)
+    act = torch.empty(n, inter, dtype=torch.float32)
+    out = torch.empty(n, h, dtype=torch.float32)
+    job = JOB.ctype(
+        hidden=h,
+        inter=inter,
+        groups=len(experts),
+        threads=torch.get_num_threads(),
+        x=x.data_ptr(),
+        w13=w13.data_ptr(),
+        w2=w2.data_ptr(),
+        expert=experts.data_ptr(),
+        offs=offs.data_ptr(),
+        token=tokens.data_ptr(),
+        weight=weights.data_ptr(),
+        xf=xf.data_ptr(),
+        act=act.data_ptr(),
+        out=out.data_ptr(),
+        parallel=team(),
+    )
+    LIBRARY.load().oled_experts(ctypes.byref(job))
+    return out

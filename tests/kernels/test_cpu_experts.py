@@ -1,0 +1,94 @@
+"""The C kernel for CPU experts (oled.kernels.cpu) against torch's products in `expert_rows`:
+the same rounding points, so the bf16 outputs agree but for the summation order, and the same
+bits for every thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oled import kernels
+from oled.clib import Library, cpu_features
+from oled.kernels import cpu
+from oled.model.experts import expert_rows
+
+pytestmark = pytest.mark.skipif(
+    cpu.unsupported(torch.zeros(16, dtype=torch.bfloat16), *[torch.zeros(1, 16, 16).bfloat16()] * 2)
+    is not None,
+    reason="the C kernel cannot be built here",
+)
+
+
+def case(seed: int, tokens: int = 6, k: int = 4, experts: int = 8, h: int = 256, i: int = 128):
+    """bf16 weights and activations of a layer and routed slots [T, K] (-1: computed elsewhere)."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(experts, 2 * i, h, generator=g) / 16).bfloat16()
+    w2 = (torch.randn(experts, h, i, generator=g) / 11).bfloat16()
+    x = torch.randn(tokens, h, generator=g).bfloat16()
+    slots = torch.randint(0, experts, (tokens, k), generator=g)
+    slots[0, 1] = -1
+    weights = torch.rand(tokens, k, generator=g)
+    return x, slots, weights, w13, w2
+
+
+def with_torch(*args):
+    kernels.use("torch")
+    try:
+        return expert_rows(*args)
+    finally:
+        kernels.use("auto")
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 6, 40])  # 40: experts with 1-9 pairs, some to torch
+def test_the_kernel_agrees_with_torch_to_rounding(tokens):
+    args = case(tokens, tokens=tokens, experts=32)
+    index, rows = expert_rows(*args)
+    ref_index, ref = with_torch(*args)
+    assert torch.equal(index, ref_index)
+    assert rows.dtype == torch.float32 and rows.shape == ref.shape
+    # bf16 rounds at four points; a different order of the sums flips an ulp now and then
+    assert torch.allclose(rows, ref, rtol=2e-2, atol=1e-3)
+    assert (rows == ref).float().mean() > 0.95
+    assert (rows - ref).norm() / ref.norm() < 1e-2
+
+
+def test_the_same_bits_for_every_thread_count_on_either_threads(monkeypatch):
+    """On torch's OpenMP team (found here: torch runs on libgomp) and on the kernel's own."""
+    assert cpu.team() is not None
+    args = case(7, tokens=5)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for own in (False, True):
+            if own:
+                monkeypatch.setattr(cpu, "team", lambda: None)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outs.append(expert_rows(*args)[1])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_many_calls_in_a_row_reuse_the_threads():
+    args = case(3, tokens=2)
+    first = expert_rows(*args)[1]
+    for _ in range(200):  # the pool's phases and generations wrap around cleanly
+        assert torch.equal(expert_rows(*args)[1], first)
+
+
+def test_what_the_kernel_refuses_goes_to_torch():
+    x, slots, weights, w13, w2 = case(1)
+    assert "bfloat16" in cpu.unsupported(x.float(), w13.float(), w2.float())
+    assert "multiples of 16" in cpu.unsupported(x[:, :40], w13[:, :, :40], w2[:, :40])
+    assert cpu.unsupported(x, w13, w2) is None
+    index, rows = expert_rows(x.float(), slots, weights, w13.float(), w2.float())
+    assert rows.shape == (len(index), x.shape[1])  # computed by torch, in fp32
+
+
+def test_native_builds_are_tagged_by_the_cpu(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: A\nflags\t\t: fpu avx2\n" * 2)
+    assert cpu_features(info) == "model name\t: A\nflags\t\t: fpu avx2"
+    plain = Library("x", cpu.LIBRARY.sources, cpu.LIBRARY.parts)
+    assert plain._target() != cpu.LIBRARY._target()  # the flags and the CPU enter the tag
