@@ -1,4 +1,4 @@
-"""CPU experts as the offload engine computes them (`oled.model.experts.expert_rows`), in GB/s of
+"""CPU experts as the offload engine computes them beside a GPU (`expert_rows(native=True)`), in GB/s of
 expert weights: the C kernel (oled.kernels.cpu) against torch's products, per token count per
 expert, experts per call and thread count; the host's read bandwidth beside them; and, on a CUDA
 machine, both again while pinned copies to the GPU run at full rate.
@@ -110,7 +110,7 @@ def timed(w13, w2, mode: str, threads: int, per_call: int, tokens: int, seconds:
         first = (first + per_call) % e
         t0 = time.perf_counter()
         with torch.inference_mode():
-            expert_rows(x, slots, weights, w13, w2)
+            expert_rows(x, slots, weights, w13, w2, native=True)
         if calls >= 2:  # two warm-up calls
             spent += time.perf_counter() - t0
         calls += 1

@@ -132,19 +132,21 @@ def expert_pairs(x: Tensor, slots: Tensor, weights: Tensor, w13: Tensor, w2: Ten
 
 
 def expert_rows(
-    x: Tensor, slots: Tensor, weights: Tensor, w13: Tensor, w2: Tensor
+    x: Tensor, slots: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, *, native: bool = False
 ) -> tuple[Tensor, Tensor]:
     """On the CPU, only the pairs this table computes: (index [N] of each pair in the T*K
     flattened pairs, its weighted output [N, H] fp32); the same values as `expert_pairs`.
     A CPU expert's call has a few rows of the T*K, and touching all of them costs milliseconds.
-    bf16 experts with at most `cpu.MAX_TOKENS` pairs go through the C kernel where
-    `cpu.chosen`: the same rounding points, sums in another order.
+    With `native` (CPU experts beside a GPU: the host as a second link), bf16 experts with at
+    most `cpu.MAX_TOKENS` pairs go through the C kernel where `cpu.chosen`: the same rounding
+    points, sums in another order. Without it (the CPU device's own path) torch computes every
+    pair, as the resident model there does.
     """
     s, k = w13.shape[0], slots.shape[1]
     order, grouped = _by_slot(slots, s)
     n = int(torch.count_nonzero(grouped < s))  # valid pairs sort first
     order, grouped = order[:n], grouped[:n]  # [N]
-    if not cpu.chosen(x, w13, w2):
+    if not (native and cpu.chosen(x, w13, w2)):
         return order, _weighted_mlp(x, order, grouped, k, weights, w13, w2)
     experts, counts = torch.unique_consecutive(grouped, return_counts=True)  # [G], [G]
     few = (counts <= cpu.MAX_TOKENS).repeat_interleave(counts)  # [N] pairs for the C kernel

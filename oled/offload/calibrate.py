@@ -142,7 +142,9 @@ def machine_parts(store: ExpertStore, device: torch.device, threads: int) -> dic
         "pinned": str(store.pinned),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "kernels": kernels.describe(device),
-        "cpu experts": cpu.describe(store.w13[0], store.w2[0]),
+        "cpu experts": cpu.describe(store.w13[0], store.w2[0])
+        if device.type == "cuda"
+        else "torch",
         "paths": _PATHS,
         "method": _METHOD,
     }
@@ -503,7 +505,8 @@ class _Probes:
             ids.view(-1)[e * tokens_each : (e + 1) * tokens_each] = e
 
         def run() -> list[Tensor]:
-            parts = expert_rows(x.to("cpu"), ids, weights, self.w13, self.w2)
+            native = self.device.type == "cuda"  # as the engine computes them
+            parts = expert_rows(x.to("cpu"), ids, weights, self.w13, self.w2, native=native)
             return [part.to(self.device) for part in parts]
 
         return run

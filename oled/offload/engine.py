@@ -422,7 +422,12 @@ class OffloadEngine(DecodeObserver):
         with torch.inference_mode():
             store = self.store
             index, rows = expert_rows(  # [N] into the T*K pairs, [N, H] fp32
-                job.x, job.slots, job.weights, store.w13[job.layer], store.w2[job.layer]
+                job.x,
+                job.slots,
+                job.weights,
+                store.w13[job.layer],
+                store.w2[job.layer],
+                native=self.cuda,
             )
         done = time.perf_counter()
         self.metrics.add(job.layer, cpu_ms=1000 * (done - t0))

@@ -10,7 +10,13 @@ import torch
 from oled import kernels
 from oled.clib import Library, cpu_features
 from oled.kernels import cpu
-from oled.model.experts import expert_rows
+from oled.model import experts
+
+
+def expert_rows(*args):
+    """As the engine computes CPU experts beside a GPU."""
+    return experts.expert_rows(*args, native=True)
+
 
 pytestmark = pytest.mark.skipif(
     cpu.unsupported(torch.zeros(16, dtype=torch.bfloat16), *[torch.zeros(1, 16, 16).bfloat16()] * 2)
@@ -34,7 +40,7 @@ def case(seed: int, tokens: int = 6, k: int = 4, experts: int = 8, h: int = 256,
 def with_torch(*args):
     kernels.use("torch")
     try:
-        return expert_rows(*args)
+        return experts.expert_rows(*args)
     finally:
         kernels.use("auto")
 
@@ -75,6 +81,18 @@ def test_many_calls_in_a_row_reuse_the_threads():
     first = expert_rows(*args)[1]
     for _ in range(200):  # the pool's phases and generations wrap around cleanly
         assert torch.equal(expert_rows(*args)[1], first)
+
+
+def test_the_cpu_devices_own_path_stays_torchs(monkeypatch):
+    """A CPU device computes every expert with torch, as its resident model does (so batched
+    and single requests keep the same rounding there); beside a GPU the C kernel runs."""
+    calls = []
+    kernel = cpu.expert_rows
+    monkeypatch.setattr(cpu, "expert_rows", lambda *a: calls.append(1) or kernel(*a))
+    args = case(2, tokens=3)
+    assert torch.equal(experts.expert_rows(*args)[1], with_torch(*args)[1]) and not calls
+    expert_rows(*args)
+    assert calls
 
 
 def test_what_the_kernel_refuses_goes_to_torch():
