@@ -157,7 +157,9 @@ class Copies:
 
     def finish(self) -> float:
         if self.events[1].query():
-            print("  (the copies ended before the CPU experts did: part of the row ran without them)")
+            print(
+                "  (the copies ended before the CPU experts did: part of the row ran without them)"
+            )
         self.events[1].synchronize()
         nbytes = self.batches * sum(d.numel() * 2 for d in self.dst)
         return nbytes / self.events[0].elapsed_time(self.events[1]) / 1e6
