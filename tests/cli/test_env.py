@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from oled.cli import app
-from oled.env import collect, cpu_flags, links_row
+from oled.env import collect, cpu_flags, links_row, rate
 
 runner = CliRunner()
 
@@ -28,6 +28,14 @@ def test_amx_flags_from_cpuinfo(tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu sse2 amx_bf16 amx_tile avx512f\n")
     assert {"amx_bf16", "amx_tile"} <= cpu_flags(info)
     assert cpu_flags(tmp_path / "missing") == set()
+
+
+def test_stored_costs_read_as_gb_per_s():
+    """A mini expert (w13 [1024, 2048] and w2, bf16: 6.29 MB) copied in 0.125 ms is 50.3 GB/s."""
+    parts = {"expert shape": "(1024, 2048)", "dtype": "bfloat16"}
+    assert rate(parts, 0.125) == " (50.3 GB/s)"
+    assert rate({**parts, "dtype": "int8"}, 0.125) == ""  # a size it does not know: no figure
+    assert rate(parts, 0.0) == ""
 
 
 def test_env_command_json():
