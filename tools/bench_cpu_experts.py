@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oled.clib import cpu_features  # noqa: E402
+from oled.env import cpu_flags  # noqa: E402
 from oled.kernels import cpu  # noqa: E402
 from oled.model.config import mini_config  # noqa: E402
 from oled.model.experts import expert_rows  # noqa: E402
@@ -45,7 +45,7 @@ def main() -> None:
     w13 = torch.empty(args.experts, 2 * i, h, dtype=torch.bfloat16, pin_memory=pin)
     w2 = torch.empty(args.experts, h, i, dtype=torch.bfloat16, pin_memory=pin)
     w13.normal_(0, 0.02), w2.normal_(0, 0.02)
-    flags = cpu_features().split()
+    flags = cpu_flags()
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     print(
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs ({' '.join(isa)}), "

@@ -93,11 +93,18 @@ def unsupported(x: Tensor, w13: Tensor, w2: Tensor) -> str | None:
         return f"hidden {x.shape[-1]} and expert intermediate {w2.shape[-1]} not multiples of 16"
     if not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()):
         return "non-contiguous tensors"
+    lib = _library()
+    return str(lib) if isinstance(lib, NativeUnavailable) else None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | NativeUnavailable:
+    """The library, loaded and its contract checked once per process (a layer's CPU experts
+    ask for it on the hot path), or why it cannot be had."""
     try:
-        LIBRARY.load()
+        return LIBRARY.load()
     except NativeUnavailable as e:
-        return str(e)
-    return None
+        return e
 
 
 @functools.cache
@@ -156,5 +163,7 @@ def expert_rows(
         out=out.data_ptr(),
         parallel=team(),
     )
-    LIBRARY.load().oled_experts(ctypes.byref(job))
+    lib = _library()
+    assert not isinstance(lib, NativeUnavailable), "call `unsupported` first"
+    lib.oled_experts(ctypes.byref(job))
     return out

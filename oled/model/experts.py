@@ -149,11 +149,11 @@ def expert_rows(
     if not (native and cpu.chosen(x, w13, w2)):
         return order, _weighted_mlp(x, order, grouped, k, weights, w13, w2)
     experts, counts = torch.unique_consecutive(grouped, return_counts=True)  # [G], [G]
-    few = (counts <= cpu.MAX_TOKENS).repeat_interleave(counts)  # [N] pairs for the C kernel
-    if bool(few.all()):
+    small = counts <= cpu.MAX_TOKENS  # [G] experts for the C kernel
+    if bool(small.all()):
         return order, _native_rows(x, order, experts, counts, k, weights, w13, w2)
+    few = small.repeat_interleave(counts)  # [N] their pairs
     rows = torch.empty(n, x.shape[-1], dtype=torch.float32)  # [N, H]
-    small = counts <= cpu.MAX_TOKENS
     rows[few] = _native_rows(x, order[few], experts[small], counts[small], k, weights, w13, w2)
     rows[~few] = _weighted_mlp(x, order[~few], grouped[~few], k, weights, w13, w2)
     return order, rows
