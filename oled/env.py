@@ -239,7 +239,8 @@ def calibration_rows(report: Report) -> None:
             f"{c.measured}, {k['device']}, experts {k['expert shape']} {k['dtype']}, "
             f"{k['threads']} threads: copy {cost.copy_ms_per_expert:.3g} ms/expert"
             f"{rate(k, cost.copy_ms_per_expert)}, CPU expert {cost.cpu_fixed_ms:.3g} + "
-            f"{cost.cpu_ms_per_token:.3g} ms/token{rate(k, cost.cpu_ms(1))} at 1 token, GPU "
+            f"{cost.cpu_ms_per_token:.3g} ms/token{rate(k, cost.cpu_ms(1))} at 1 token "
+            f"+ {cost.cpu_call_ms:.3g} ms a layer, GPU "
             f"{cost.gpu_fixed_ms:.3g} + {cost.gpu_ms_per_expert:.3g} ms/expert ({how})",
         )
 

@@ -180,6 +180,8 @@ def _offload_summary(per_run: list[dict]) -> dict[str, float]:
         out[f"{key}_per_iteration"] = decode[key] / n
     if decode["cpu_experts"]:  # the host's compute time per CPU expert
         out["cpu_ms_per_expert"] = decode["cpu_ms"] / decode["cpu_experts"]
+        # the engine's CPU-expert time over the calibrated cost model's for the same experts
+        out["cpu_time_over_model"] = decode["cpu_ms"] / max(decode["cpu_model_ms"], 1e-9)
     if decode["predicted"]:  # copied a layer ahead: the share that the layer then needed
         out["predicted_used"] = decode["predicted_hits"] / decode["predicted"]
     if out["copy_ms_per_iteration"]:  # bytes over the copy stream's busy time

@@ -14,6 +14,7 @@ disagreement is reported, in one line and in every report that uses it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import platform
 import re
@@ -38,7 +39,7 @@ from oled.policies.base import CostModel
 from oled.threads import contended, loadavg, others_busy, read_sample, visible_cpus
 
 _PATHS = "rows-3"  # the engine's copy and CPU-expert paths: a new one measures again
-_METHOD = "rounds-1"  # how the figures are measured and checked: a new method measures again
+_METHOD = "rounds-2"  # how the figures are measured and checked: a new method measures again
 
 ROUNDS = 5  # interleaved rounds, each timing every figure once
 REPEATS = 3  # calls per timing in a round; the fastest counts
@@ -108,6 +109,7 @@ def bounds(expert_bytes: int) -> dict[str, Bound]:
                 f"reading {expert_bytes} bytes of weights at {MAX_HOST_GBPS:g} GB/s at most",
             ),
             Bound("cpu_ms_per_token", MIN_TOKEN_MS, MAX_TOKEN_MS, "a token's share of an expert"),
+            Bound("cpu_call_ms", 0.0, MAX_FIXED_MS, fixed),
             Bound("gpu_fixed_ms", 0.0, MAX_FIXED_MS, fixed),
             Bound(
                 "gpu_ms_per_expert",
@@ -430,7 +432,7 @@ def recheck(
     n = probes.n
     modelled = {
         "copy": cost.copy_ms(n),
-        "CPU expert": 4 * cost.cpu_ms(4),
+        "CPU expert": cost.cpu_layer_ms(np.full(4, 4)),
         "device expert": cost.gpu_ms(n),
     }
     fns = {
@@ -494,18 +496,26 @@ class _Probes:
     def cpu_layer(self, n_experts: int, tokens_each: int) -> Callable[[], list[Tensor]]:
         """The CPU expert path as the engine pays it: 32 tokens' activations to the host, the
         CPU experts' GEMMs over the host table (expert e gets `tokens_each` (token, expert)
-        pairs) and their rows back to the device."""
+        pairs) and their rows back to the device. Each call takes the next `n_experts` of the
+        layer's experts, so that their weights come from memory, not from the CPU's caches,
+        as a missed expert's do in the engine."""
         h = self.w2.shape[1]
         t, k = 32, min(8, self.e)
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(t, h, generator=gen).to(device=self.device, dtype=self.w13.dtype)
         weights = torch.rand(t, k, generator=gen)  # [T, K]
-        ids = torch.full((t, k), -1, dtype=torch.long)  # [T, K]
-        for e in range(n_experts):
-            ids.view(-1)[e * tokens_each : (e + 1) * tokens_each] = e
+        n_experts = min(n_experts, self.e)
+        pairs = torch.arange(n_experts).repeat_interleave(tokens_each)  # [n * tokens_each]
+        turns = []  # each [T, K]: experts first..first+n on their tokens, -1 elsewhere
+        for first in range(0, self.e - n_experts + 1, n_experts):
+            ids = torch.full((t * k,), -1, dtype=torch.long)
+            ids[: len(pairs)] = first + pairs
+            turns.append(ids.view(t, k))
+        calls = itertools.cycle(turns)
 
         def run() -> list[Tensor]:
             native = self.device.type == "cuda"  # as the engine computes them
+            ids = next(calls)
             parts = expert_rows(x.to("cpu"), ids, weights, self.w13, self.w2, native=native)
             return [part.to(self.device) for part in parts]
 
@@ -537,8 +547,8 @@ class _Probes:
             "copy 1": self.copy(1),
             f"copy {self.n}": self.copy(self.n),
             "cpu 1x1": self.cpu_layer(1, 1),
-            "cpu 4x4": self.cpu_layer(4, 4),
-            "cpu 4x32": self.cpu_layer(4, 32),
+            "cpu 4x1": self.cpu_layer(4, 1),
+            "cpu 4x8": self.cpu_layer(4, 8),
         }
         for k in self.gpu_counts():
             out[f"gpu {k}"] = self.device_experts(table13, table2, k)
@@ -549,14 +559,19 @@ class _Probes:
         n = self.n
         one, many = ms["copy 1"], ms[f"copy {n}"]
         copy_per = (many - one) / (n - 1) if n > 1 else one
-        per_token = (ms["cpu 4x32"] - ms["cpu 4x4"]) / 4 / 28
-        cpu_fixed = max(ms["cpu 4x4"] / 4 - 4 * per_token, ms["cpu 1x1"] / 4)
+        # a layer's CPU experts in decoding: a call of 1-4 experts of 1-8 tokens each
+        m = min(4, self.e)  # experts per CPU probe
+        # bound by reading the weights, 8 tokens may cost what 1 does: the slope is then ~0
+        per_token = max((ms["cpu 4x8"] - ms["cpu 4x1"]) / m / 7, MIN_TOKEN_MS)
+        one = (ms["cpu 4x1"] - ms["cpu 1x1"]) / (m - 1) if m > 1 else ms["cpu 1x1"]
+        call = max(ms["cpu 1x1"] - one, 0.0)  # what a call costs beside its experts
         counts = self.gpu_counts()
         gpu_fixed, gpu_per = _line(counts, [ms[f"gpu {k}"] for k in counts])
         return {  # a fixed cost a little below 0 is the fit's noise around a small one
             "copy_ms_per_expert": copy_per,
             "copy_fixed_ms": max(one - copy_per, 0.0),
-            "cpu_fixed_ms": cpu_fixed,
+            "cpu_fixed_ms": one - per_token,
+            "cpu_call_ms": call,
             "cpu_ms_per_token": per_token,
             "gpu_fixed_ms": max(gpu_fixed, 0.0),
             "gpu_ms_per_expert": gpu_per,

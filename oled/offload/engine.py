@@ -430,8 +430,8 @@ class OffloadEngine(DecodeObserver):
                 native=self.cuda,
             )
         done = time.perf_counter()
-        self.metrics.add(job.layer, cpu_ms=1000 * (done - t0))
-        self.planner.observe_cpu(job.layer, job.tokens, 1000 * (done - t_plan))
+        modeled = self.planner.observe_cpu(job.layer, job.tokens, 1000 * (done - t_plan))
+        self.metrics.add(job.layer, cpu_ms=1000 * (done - t0), cpu_model_ms=modeled)
         flat = pairs.view(-1, pairs.shape[-1])  # [T*K, H]
         if self.cuda:  # pinned, so that they go up without a sync
             index, rows = index.pin_memory(), rows.pin_memory()

@@ -16,6 +16,7 @@ FIELDS = (
     "stall_ms",
     "copy_ms",
     "cpu_ms",
+    "cpu_model_ms",
     "sync_ms",
     "plan_ms",
     "launch_ms",
@@ -33,7 +34,8 @@ class EngineMetrics:
 
     hits / misses count distinct experts needed by a layer in a forward; copies include
     prefetches; stall_ms is the time the compute stream waited for copies (CUDA events);
-    copy_ms the copy stream's busy time; cpu_ms the host's CPU-expert time; sync_ms the wait
+    copy_ms the copy stream's busy time; cpu_ms the host's CPU-expert time (cpu_model_ms the
+    cost model's time for the same experts, before any compensation policy's factor); sync_ms the wait
     for the routing to reach the host (the layer's one sync, which also waits for the GPU work
     queued before it); host_ms the host decision path after it (planning, launching copies,
     compute and CPU experts), and of it plan_ms the planner's part (the policies' decisions),

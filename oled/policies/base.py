@@ -86,6 +86,9 @@ class CostModel:
     gpu_ms_per_expert: float
     expert_bytes: int
     layer_ms: float = 0.0  # non-expert work per MoE layer (attention, router, host sync)
+    # once per layer that computes any expert on the CPU: its activations to the host, the
+    # hand-off and the rows back (a stored calibration without it reads 0)
+    cpu_call_ms: float = 0.0
 
     @overload
     def copy_ms(self, n_experts: int) -> float: ...
@@ -110,6 +113,12 @@ class CostModel:
         n = np.asarray(n_tokens, dtype=np.float64)
         out = np.where(n > 0, self.cpu_fixed_ms + self.cpu_ms_per_token * n, 0.0)
         return float(out) if out.ndim == 0 else out
+
+    def cpu_layer_ms(self, n_tokens: np.ndarray) -> float:
+        """Time of one layer's CPU experts (tokens per expert): the call once, then each
+        expert one after another (0 for none)."""
+        n = np.asarray(n_tokens)
+        return float(np.sum(self.cpu_ms(n))) + self.cpu_call_ms if n.size else 0.0
 
     @overload
     def gpu_ms(self, n_distinct_experts: int) -> float: ...

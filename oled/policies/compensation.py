@@ -20,14 +20,16 @@ def best_split(
     """Copy the first k misses of `order`, the rest on the CPU; k minimises the objective.
 
     objective(k) = max(copy queue + copy_ms(k), cpu queue + CPU work of the rest)
-                   + sum of `future` over the misses left on the CPU.
+                   + sum of `future` over the misses left on the CPU;
+    the CPU work of a non-empty rest includes the layer's call (`cpu_call_ms`).
     Evaluated for every k at once with cumulative sums.
     """
     n = len(order)
     left = np.empty(n + 1)  # CPU work (plus future cost) left after copying the first k
     left[0] = 0.0
     obj = cpu_cost[order].cumsum(out=left[1:])
-    cpu_left = load.cpu_queue_ms + (obj[-1] - left)
+    cpu_left = load.cpu_queue_ms + (obj[-1] - left)  # [n + 1] CPU finish
+    cpu_left[:-1] += cost.cpu_call_ms  # k < n leaves experts on the CPU
     copy_t = load.copy_queue_ms + cost.copy_ms(np.arange(n + 1))  # [n + 1] copy finish
     obj = np.maximum(copy_t, cpu_left)
     if future is not None:
@@ -48,7 +50,7 @@ def copying_all_is_best(cpu_cost: np.ndarray, load: Load, cost: CostModel) -> bo
         return False
     copy_all = load.copy_queue_ms + cost.copy_ms(n)
     fastest = float(cpu_cost.min())
-    return fastest > 0 and load.cpu_queue_ms + fastest > copy_all
+    return fastest > 0 and load.cpu_queue_ms + cost.cpu_call_ms + fastest > copy_all
 
 
 @component("compensation", "cooperative")

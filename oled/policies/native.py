@@ -136,6 +136,7 @@ class CompiledPlan:
         cost = p.cost
         b.copy_per, b.copy_fixed = cost.copy_ms_per_expert, cost.copy_fixed_ms
         b.cpu_fixed, b.cpu_tok = cost.cpu_fixed_ms, cost.cpu_ms_per_token
+        b.cpu_call = cost.cpu_call_ms
         self._routing(64 * p.top_k)
         self.ref = ctypes.byref(b)
         self.lru = p.retention if isinstance(p.retention, R.LRURetention) else None

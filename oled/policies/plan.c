@@ -205,7 +205,7 @@ static void best_split(const Bind *b, const double *cpu_cost, const int64_t *ord
     left[0] = 0.0;
     for (int64_t i = 0; i < n; i++) left[i + 1] = left[i] + cpu_cost[order[i]];
     for (int64_t k = 0; k <= n; k++) {
-        double cpu_left = cpu_q + (left[n] - left[k]);
+        double cpu_left = cpu_q + (left[n] - left[k]) + (k < n ? b->cpu_call : 0.0);
         double copies = k > 0 ? b->copy_fixed + b->copy_per * (double)k : 0.0;
         double copy_t = copy_q + copies;
         obj[k] = copy_t > cpu_left ? copy_t : cpu_left;
@@ -229,7 +229,7 @@ static int copy_all_best(const Bind *b, const double *cpu_cost, int64_t n, doubl
     double copy_all = copy_q + (b->copy_fixed + b->copy_per * (double)n);
     double fastest = cpu_cost[0];
     for (int64_t i = 1; i < n; i++) fastest = cpu_cost[i] < fastest ? cpu_cost[i] : fastest;
-    return fastest > 0 && cpu_q + fastest > copy_all;
+    return fastest > 0 && cpu_q + b->cpu_call + fastest > copy_all;
 }
 
 /* CompensationPolicy.decide: copy[i] for rest[i] (tokens from counts). */

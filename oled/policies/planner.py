@@ -139,9 +139,7 @@ def layer_times(
     copy_done = copy_start + float(cost.copy_ms(len(plan.copy_experts) + len(plan.stage_experts)))
     n_late = len(plan.gpu_experts) - n_hits + len(plan.stage_experts)
     gpu_end = max(hits_end, copy_done) + float(cost.gpu_ms(n_late)) if n_late else hits_end
-    cpu_end = cpu_start
-    if len(plan.cpu_experts):
-        cpu_end += float(np.sum(cost.cpu_ms(plan.cpu_tokens)))
+    cpu_end = cpu_start + cost.cpu_layer_ms(plan.cpu_tokens)
     return hits_end, copy_done, gpu_end, cpu_end
 
 
@@ -502,11 +500,12 @@ class Planner:
         if ctx.step + 1 > self.step:
             self.step, self.block = ctx.step + 1, ctx.block
 
-    def observe_cpu(self, layer: int, cpu_tokens: np.ndarray, measured_ms: float) -> None:
+    def observe_cpu(self, layer: int, cpu_tokens: np.ndarray, measured_ms: float) -> float:
         """The engine's time for a layer's CPU experts (tokens per expert) to the compensation
-        policy, beside the cost model's."""
-        modeled = float(np.sum(self.cost.cpu_ms(cpu_tokens)))
+        policy, beside the cost model's; the cost model's time."""
+        modeled = self.cost.cpu_layer_ms(cpu_tokens)
         self.compensation.observe_cpu(layer=layer, modeled_ms=modeled, measured_ms=measured_ms)
+        return modeled
 
     def plan(
         self, layer: int, ids: np.ndarray, weights: np.ndarray, load: Load | None = None

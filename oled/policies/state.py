@@ -183,7 +183,9 @@ def plan_part(retention: Sequence[Any], compensation: Sequence[Any]) -> tuple[St
                 Field(n, c.compiled_as.struct, f"{c.__name__}'s parameters")
                 for n, c in params.items()
             ),
-            *Field.many("double", "copy_per copy_fixed cpu_fixed cpu_tok", "the cost model (ms)"),
+            *Field.many(
+                "double", "copy_per copy_fixed cpu_fixed cpu_tok cpu_call", "the cost model (ms)"
+            ),
             Field("scratch", "int64_t *", "(N_SCRATCH + N_OUT) x (E + 1)"),
             Field("ids", "int64_t *", "[routing_cap] this forward's routing, flat"),
             Field("weights", "double *"),

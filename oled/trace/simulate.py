@@ -3,7 +3,8 @@
 Timeline of one MoE layer (all times in ms, from the layer's start t0 = previous layer's end +
 cost.layer_ms): the GPU computes the hits at once (gpu_ms(hits)); copies run on one copy-engine
 queue (copy_ms(copies + staged)), then the GPU computes the copied experts (gpu_ms(n)); the
-CPU runs its experts one after another (sum of cpu_ms(tokens)) in parallel. The layer ends when
+CPU runs its experts one after another (cpu_layer_ms: the call, then cpu_ms(tokens) each) in
+parallel. The layer ends when
 the GPU and the CPU are both done. Copies ahead into the next layer (LayerPlan.ahead_*) queue
 behind the layer's own; that layer's hits wait for them. Stall = time the GPU waits for copies
 (after its hits, or before them for copies ahead).

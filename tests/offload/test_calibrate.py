@@ -165,6 +165,18 @@ def test_a_figure_without_a_quorum_of_rounds_inside_its_bound_is_not_stored(
     assert not used.stored and used.cost.gpu_fixed_ms == calibrate.MAX_FIXED_MS  # clamped
 
 
+def test_the_cpu_figures_separate_a_call_from_its_experts(store):
+    """Timings of a layer's CPU call that cost 0.4 ms, plus 0.3 ms an expert and 0.01 ms a
+    token, give back those three figures."""
+    probes = calibrate._Probes(store, CPU)
+    ms = {name: 1.0 for name in probes.timings()}
+    ms |= {"cpu 1x1": 0.4 + 0.31, "cpu 4x1": 0.4 + 4 * 0.31, "cpu 4x8": 0.4 + 4 * 0.38}
+    got = probes.figures(ms)
+    assert got["cpu_call_ms"] == pytest.approx(0.4)
+    assert got["cpu_fixed_ms"] == pytest.approx(0.3)
+    assert got["cpu_ms_per_token"] == pytest.approx(0.01)
+
+
 def test_the_start_up_recheck_warns_on_a_doctored_file(store, tmp_path):
     _write(store, tmp_path, replace(_sane(store), copy_ms_per_expert=3.0))  # 100x too slow
     with pytest.warns(CalibrationWarning, match=r"re-check disagrees: copy .* faster than"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -216,7 +217,8 @@ def _brute_split(cpu_cost, order, load, cost, future) -> np.ndarray:
     for k in range(n + 1):
         copy_t = load.copy_queue_ms + (cost.copy_fixed_ms + k * cost.copy_ms_per_expert if k else 0)
         rest = order[k:]
-        obj = max(copy_t, load.cpu_queue_ms + cpu_cost[rest].sum()) + future[rest].sum()
+        call = cost.cpu_call_ms if len(rest) else 0.0  # once for a layer's CPU experts
+        obj = max(copy_t, load.cpu_queue_ms + call + cpu_cost[rest].sum()) + future[rest].sum()
         objs.append(obj)
     out = np.zeros(n, bool)
     out[order[: int(np.argmin(objs))]] = True
@@ -230,21 +232,37 @@ def _brute_split(cpu_cost, order, load, cost, future) -> np.ndarray:
     spread=st.floats(0.0, 2.0),
     copy_queue=st.floats(0.0, 5.0),
     cpu_queue=st.floats(0.0, 5.0),
+    call=st.sampled_from([0.0, 0.05, 0.5, 2.0]),
     seed=st.integers(0, 1000),
 )
-def test_best_split_matches_its_definition(n, cpu, spread, copy_queue, cpu_queue, seed) -> None:
-    """The cumulative-sum evaluation, and the shortcut taken when no CPU expert can beat
-    copying all."""
+def test_best_split_matches_its_definition(
+    n, cpu, spread, copy_queue, cpu_queue, call, seed
+) -> None:
+    """The cumulative-sum evaluation, the layer's CPU call paid once when any expert is left
+    on the CPU, and the shortcut taken when no CPU expert can beat copying all."""
+    cost = replace(COST, cpu_call_ms=call)
     rng = np.random.default_rng(seed)
     cpu_cost = cpu + spread * rng.random(n)
     order = rng.permutation(n)
     future = 0.1 * rng.random(n)
     load = Load(copy_queue_ms=copy_queue, cpu_queue_ms=cpu_queue)
-    got = best_split(cpu_cost=cpu_cost, order=order, load=load, cost=COST, future=future)
-    want = _brute_split(cpu_cost, order, load, COST, future)
+    got = best_split(cpu_cost=cpu_cost, order=order, load=load, cost=cost, future=future)
+    want = _brute_split(cpu_cost, order, load, cost, future)
     assert np.array_equal(got, want)
-    if copying_all_is_best(cpu_cost, load, COST):  # the policies' shortcut agrees
+    if copying_all_is_best(cpu_cost, load, cost):  # the policies' shortcut agrees
         assert want.all()
+
+
+def test_a_costly_cpu_call_keeps_a_few_misses_off_the_cpu() -> None:
+    """Two misses behind a busy link go to the CPU when a call is free, and are copied when
+    the layer's call costs more than they would save."""
+    cpu_cost, order = np.array([0.3, 0.3]), np.arange(2)
+    load = Load(copy_queue_ms=1.0)
+    free = best_split(cpu_cost=cpu_cost, order=order, load=load, cost=COST)
+    costly = best_split(
+        cpu_cost=cpu_cost, order=order, load=load, cost=replace(COST, cpu_call_ms=1.0)
+    )
+    assert not free.all() and costly.all()
 
 
 def stats(ws: list[float], reuse: list[float]) -> LayerStats:

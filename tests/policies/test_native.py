@@ -56,7 +56,7 @@ def planner(ret: str, comp: str, setup: tuple, *, compiled: bool) -> Planner:
         K,
         slots,
         stage_capacity=stage,
-        cost=CostModel.profile("h200"),
+        cost=dataclasses.replace(CostModel.profile("h200"), cpu_call_ms=0.3),  # every cost term
         allocation=alloc,
         retention=RETENTIONS[ret](),
         compensation=COMPENSATIONS[comp](),
