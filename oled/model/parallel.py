@@ -71,6 +71,14 @@ class Split:
         return out
 
 
+def all_reduce(pairs: Tensor) -> Tensor:
+    """The pairs [T, K, H] fp32 of every share, summed in place over the processes: each pair
+    is non-zero on the one process holding its expert."""
+    with stage("all-reduce"):
+        dist.all_reduce(pairs)
+    return pairs
+
+
 def check_host(devices: int, device: str) -> None:
     """A ParallelError when `device` ("auto", "cpu", "cuda") cannot give `devices` processes a
     device each: on CUDA, fewer GPUs than that (a CPU host runs any number of CPU processes)."""
@@ -143,8 +151,5 @@ class ShardedExperts(ResidentExperts):
         return super().pairs(layer, x, self.rows[ids], weights)  # rows: -1 elsewhere
 
     def gather(self, pairs: Tensor) -> Tensor:
-        """The pairs of every share, summed over the processes: each pair is non-zero on the
-        one process holding its expert."""
-        with stage("all-reduce"):
-            dist.all_reduce(pairs)
-        return pairs
+        """The pairs of every share, summed over the processes (`all_reduce`)."""
+        return all_reduce(pairs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,10 @@ import torch
 import torch.multiprocessing as mp
 
 from oled.model.parallel import ParallelError, Split, check_host, join
+from oled.offload.budget import Budget
+from oled.policies import anchor_policies
 from oled.recipe.schema import RuntimeSection
-from oled.runtime import build_runtime, load_runtime
+from oled.runtime import build_runtime, offload_stats
 
 PROMPTS = ["Once upon a time", "The king said", "What is the sea?"]
 DECODE = dict(max_new_tokens=24, threshold=0.9, block_length=8)
@@ -31,8 +34,7 @@ def test_each_process_holds_a_contiguous_share() -> None:
 def test_bad_splits_are_named() -> None:
     with pytest.raises(ParallelError, match="32 experts per layer do not split evenly over 3"):
         Split(0, 3, 32)
-    with pytest.raises(ValueError, match=r"devices = 2 .* budget = \{ resident = true \}"):
-        RuntimeSection(devices=2, budget={"expert_fraction": 0.5})
+    RuntimeSection(devices=2, budget={"expert_fraction": 0.5})  # offloaded on each device
 
 
 def test_several_devices_need_several_processes(monkeypatch) -> None:
@@ -42,8 +44,12 @@ def test_several_devices_need_several_processes(monkeypatch) -> None:
         join(2, "cpu")
 
 
-def _decode_one_of_two(rank: int, port: int, out: str) -> None:
-    """Process `rank` of 2 (gloo): the tiny default's answers, written by rank 0."""
+def _decode_one_of_two(
+    rank: int, port: int, out: str, anchor: str | None = None, fraction: float = 1.0
+) -> None:
+    """Process `rank` of 2 (gloo): the tiny default's answers, written by rank 0, with every
+    expert of its share resident, or offloaded at `fraction` of its share with the policies of
+    `anchor`; each rank writes its engine's figures to `out`.RANK."""
     os.environ |= {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -52,12 +58,33 @@ def _decode_one_of_two(rank: int, port: int, out: str) -> None:
         "MASTER_PORT": str(port),
     }
     torch.set_num_threads(1)
-    rt = build_runtime(device="cpu", dtype="float32", devices=2, cpu_threads=1)
+    offload = {} if anchor is None else _offloaded(anchor, fraction)
+    rt = build_runtime(device="cpu", dtype="float32", devices=2, cpu_threads=1, **offload)
     assert rt.checkpoint.experts.num_experts == rt.config.num_experts // 2
-    answers = [rt.generate(p, **DECODE).token_ids for p in PROMPTS]
+    answers, figures = [], []
+    for p in PROMPTS:
+        answers.append(rt.generate(p, **DECODE).token_ids)
+        figures.append(offload_stats(rt))
     if rank == 0:
         Path(out).write_text(json.dumps(answers))
+    engine = rt.engine
+    experts = engine.planner.num_experts if engine is not None else None
+    Path(f"{out}.{rank}").write_text(json.dumps({"experts": experts, "figures": figures}))
     torch.distributed.destroy_process_group()
+
+
+def _offloaded(anchor: str, fraction: float) -> dict:
+    """build_runtime's settings of an anchor's policies at `fraction` of the experts."""
+    budget = Budget(expert_fraction=fraction)
+    return {"budget": budget, "cost": "cpu-ci", **anchor_policies(anchor)}
+
+
+@cache
+def _one_process(anchor: str | None = None, fraction: float = 1.0) -> list[list[int]]:
+    """The tiny default's answers from one process (every expert, or offloaded)."""
+    offload = {} if anchor is None else _offloaded(anchor, fraction)
+    one = build_runtime(device="cpu", dtype="float32", cpu_threads=1, **offload)
+    return [one.generate(p, **DECODE).token_ids for p in PROMPTS]
 
 
 def _free_port() -> int:
@@ -71,8 +98,30 @@ def test_two_processes_decode_the_tokens_of_one(tmp_path) -> None:
     the single process's answers."""
     out = tmp_path / "answers.json"
     mp.spawn(_decode_one_of_two, args=(_free_port(), str(out)), nprocs=2, join=True)
-    one = load_runtime(device="cpu", dtype="float32", cpu_threads=1)
-    assert json.loads(out.read_text()) == [one.generate(p, **DECODE).token_ids for p in PROMPTS]
+    assert json.loads(out.read_text()) == _one_process()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("anchor", "fraction"),
+    [("lru", 0.25), ("lru", 0.5), ("oled", 0.25), ("oled", 0.5), ("hybrimoe", 0.25)],
+)
+def test_two_offloading_processes_decode_the_tokens_of_one(tmp_path, anchor, fraction) -> None:
+    """Each process offloads its half of every layer's experts at `fraction` of that half,
+    planned by its own policies over its own experts: exactly the single process's answers
+    (offloaded and resident alike), each process with misses of its own."""
+    out = tmp_path / "answers.json"
+    args = (_free_port(), str(out), anchor, fraction)
+    mp.spawn(_decode_one_of_two, args=args, nprocs=2, join=True)
+    assert json.loads(out.read_text()) == _one_process(anchor, fraction) == _one_process()
+    ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    for rank in ranks:
+        assert rank["experts"] == 16  # the planner knows its share alone
+        figures = rank["figures"]
+        assert all(f["misses"] > 0 for f in figures)
+        assert all(f["hits"] + f["misses"] > 0 for f in figures)
+    if anchor == "hybrimoe":  # its makespan split computes some misses on the CPU
+        assert sum(f["cpu_experts"] for r in ranks for f in r["figures"]) > 0
 
 
 RECIPE = """[model]
