@@ -131,7 +131,7 @@ path = "builtin:tiny"
 device = "cpu"
 dtype = "float32"
 devices = {devices}
-
+{budget}
 [decoding]
 block_length = 32
 threshold = 0.95
@@ -145,10 +145,15 @@ mlflow = false
 """
 
 
+OFFLOADED = 'budget = { expert_fraction = 0.5 }\ncost = "cpu-ci"\n'
+
+
 @pytest.mark.slow
-def test_oled_run_starts_a_process_per_device(tmp_path) -> None:
+@pytest.mark.parametrize("budget", ["", OFFLOADED], ids=["resident", "offloaded"])
+def test_oled_run_starts_a_process_per_device(tmp_path, budget) -> None:
     """`oled run` with runtime.devices = 2 starts two processes itself; the first reports
-    once, with the single process's forwards and answers equal to the resident ones."""
+    once, with the single process's forwards and answers equal to the resident ones, every
+    expert resident or half of each share offloaded."""
     import subprocess
     import sys
 
@@ -156,7 +161,7 @@ def test_oled_run_starts_a_process_per_device(tmp_path) -> None:
     for devices in (1, 2):
         folder = tmp_path / str(devices)
         folder.mkdir()
-        (folder / "r.toml").write_text(RECIPE.format(devices=devices))
+        (folder / "r.toml").write_text(RECIPE.format(devices=devices, budget=budget))
         env = {**os.environ, "OLED_HOME": str(tmp_path / "home"), "COLUMNS": "120"}
         cmd = [sys.executable, "-m", "oled.cli", "run", "r.toml"]
         done = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, env=env, timeout=600)
@@ -181,8 +186,15 @@ def test_oled_run_names_a_split_that_cannot_be_before_starting_processes(tmp_pat
     from oled.cli import app
 
     recipe = tmp_path / "r.toml"
-    recipe.write_text(RECIPE.format(devices=3))
+    recipe.write_text(RECIPE.format(devices=3, budget=""))
     result = CliRunner().invoke(app, ["run", str(recipe)])
     assert result.exit_code == 2
     assert "32 experts per layer do not split evenly over 3 devices" in result.output
     assert "torch.distributed" not in result.output  # refused before any process started
+    recipe.write_text(RECIPE.format(devices=2, budget="budget = { expert_budget = 2 }"))
+    result = CliRunner().invoke(app, ["run", str(recipe)])
+    assert result.exit_code == 2
+    said = " ".join(result.output.split())
+    assert "budget of 2 slots is below one per MoE layer (3)" in said
+    assert "the budget is per device, over its share of 16 experts per layer" in said
+    assert "torch.distributed" not in result.output
