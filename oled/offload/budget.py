@@ -39,7 +39,8 @@ class Budget(BaseModel):
     """How much GPU memory experts may use, exactly one of: every expert resident; a fraction
     of all experts; a number of expert slots (all MoE layers together); slots per MoE layer; a
     whole-device memory budget (a size such as "24GiB", or bytes); or `auto` (the free
-    memory). A recipe's `runtime.budget` table is this object; each range is declared here,
+    memory). With runtime.devices > 1 it is each device's budget, over its share of every
+    layer's experts. A recipe's `runtime.budget` table is this object; each range is declared here,
     once. `Budget("expert_fraction", 0.25)` is `Budget(expert_fraction=0.25)`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
