@@ -17,7 +17,7 @@ from oled.model.parallel import ParallelError, Split, check_host, join
 from oled.offload.budget import Budget
 from oled.policies import anchor_policies
 from oled.recipe.schema import RuntimeSection
-from oled.runtime import build_runtime, offload_stats
+from oled.runtime import build_runtime
 
 PROMPTS = ["Once upon a time", "The king said", "What is the sea?"]
 DECODE = dict(max_new_tokens=24, threshold=0.9, block_length=8)
@@ -45,11 +45,17 @@ def test_several_devices_need_several_processes(monkeypatch) -> None:
 
 
 def _decode_one_of_two(
-    rank: int, port: int, out: str, anchor: str | None = None, fraction: float = 1.0
+    rank: int,
+    port: int,
+    out: str,
+    anchor: str | None = None,
+    fraction: float = 1.0,
+    ahead: str | None = None,
 ) -> None:
     """Process `rank` of 2 (gloo): the tiny default's answers, written by rank 0, with every
     expert of its share resident, or offloaded at `fraction` of its share with the policies of
-    `anchor`; each rank writes its engine's figures to `out`.RANK."""
+    `anchor` (and copies ahead from `ahead`); each rank writes its engine's figures to
+    `out`.RANK."""
     os.environ |= {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -58,13 +64,14 @@ def _decode_one_of_two(
         "MASTER_PORT": str(port),
     }
     torch.set_num_threads(1)
-    offload = {} if anchor is None else _offloaded(anchor, fraction)
+    offload = {} if anchor is None else _offloaded(anchor, fraction, ahead)
     rt = build_runtime(device="cpu", dtype="float32", devices=2, cpu_threads=1, **offload)
     assert rt.checkpoint.experts.num_experts == rt.config.num_experts // 2
     answers, figures = [], []
     for p in PROMPTS:
         answers.append(rt.generate(p, **DECODE).token_ids)
-        figures.append(offload_stats(rt))
+        summary = rt.offload_summary() or {}
+        figures.append({k: summary.get(k) for k in FIGURES})
     if rank == 0:
         Path(out).write_text(json.dumps(answers))
     engine = rt.engine
@@ -73,10 +80,15 @@ def _decode_one_of_two(
     torch.distributed.destroy_process_group()
 
 
-def _offloaded(anchor: str, fraction: float) -> dict:
-    """build_runtime's settings of an anchor's policies at `fraction` of the experts."""
+FIGURES = ("hits", "misses", "cpu_experts", "predicted_hits")  # each rank's, per prompt
+
+
+def _offloaded(anchor: str, fraction: float, ahead: str | None = None) -> dict:
+    """build_runtime's settings of an anchor's policies at `fraction` of the experts, with 2
+    experts per layer copied ahead from `ahead` (router, previous; None: none)."""
     budget = Budget(expert_fraction=fraction)
-    return {"budget": budget, "cost": "cpu-ci", **anchor_policies(anchor)}
+    copies = {} if ahead is None else {"prefetch": 2, "ahead_from": ahead}
+    return {"budget": budget, "cost": "cpu-ci", **copies, **anchor_policies(anchor)}
 
 
 @cache
@@ -103,15 +115,26 @@ def test_two_processes_decode_the_tokens_of_one(tmp_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("anchor", "fraction"),
-    [("lru", 0.25), ("lru", 0.5), ("oled", 0.25), ("oled", 0.5), ("hybrimoe", 0.25)],
+    ("anchor", "fraction", "ahead"),
+    [
+        ("lru", 0.25, None),
+        ("lru", 0.5, None),
+        ("oled", 0.25, None),
+        ("oled", 0.5, None),
+        ("hybrimoe", 0.25, None),
+        ("lru", 0.25, "router"),
+        ("oled", 0.25, "previous"),
+    ],
 )
-def test_two_offloading_processes_decode_the_tokens_of_one(tmp_path, anchor, fraction) -> None:
+def test_two_offloading_processes_decode_the_tokens_of_one(
+    tmp_path, anchor, fraction, ahead
+) -> None:
     """Each process offloads its half of every layer's experts at `fraction` of that half,
-    planned by its own policies over its own experts: exactly the single process's answers
-    (offloaded and resident alike), each process with misses of its own."""
+    planned by its own policies over its own experts (copying ahead from the next layer's
+    router or from the forward before): exactly the single process's answers (offloaded and
+    resident alike), each process with misses of its own."""
     out = tmp_path / "answers.json"
-    args = (_free_port(), str(out), anchor, fraction)
+    args = (_free_port(), str(out), anchor, fraction, ahead)
     mp.spawn(_decode_one_of_two, args=args, nprocs=2, join=True)
     assert json.loads(out.read_text()) == _one_process(anchor, fraction) == _one_process()
     ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
@@ -122,6 +145,8 @@ def test_two_offloading_processes_decode_the_tokens_of_one(tmp_path, anchor, fra
         assert all(f["hits"] + f["misses"] > 0 for f in figures)
     if anchor == "hybrimoe":  # its makespan split computes some misses on the CPU
         assert sum(f["cpu_experts"] for r in ranks for f in r["figures"]) > 0
+    if ahead == "router":  # some copies ahead were needed by the forward
+        assert sum(f["predicted_hits"] for r in ranks for f in r["figures"]) > 0
 
 
 RECIPE = """[model]
