@@ -28,7 +28,7 @@ from oled.model.config import shipped_default as shipped_default  # where tests 
 from oled.model.experts import ResidentExperts
 from oled.model.graphs import EagerForward, GraphedForward
 from oled.model.model import ExpertExecutor
-from oled.model.parallel import ShardedExperts, Split, check_host, join
+from oled.model.parallel import ShardedExperts, Split, check_host, in_turn, join
 from oled.model.presets import builtin_checkpoint
 from oled.offload.budget import KV_TOKENS, SLOT_KINDS, shape_slots, total_slots
 from oled.offload.encoded import LANDING_ROWS, EncodedCopies
@@ -487,7 +487,8 @@ def _offloaded(
     encoded = None
     if rt.transfer != "plain":
         encoded = EncodedCopies(ckpt.experts, rt.transfer, dev, progress)
-    cost, costs = decision_cost(spec.cost_model, ckpt, dev, encoded, settings["threads"])
+    with in_turn():  # devices > 1: one process at a time measures the machine (calibrate)
+        cost, costs = decision_cost(spec.cost_model, ckpt, dev, encoded, settings["threads"])
     planner = make_planner(
         ckpt,
         dev,

@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +126,33 @@ def start(devices: int, args: list[str]) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(visible_cpus()) // devices)))
     return subprocess.run(cmd, check=False, env=env).returncode
+
+
+_WAITS: list[dist.ProcessGroup | None] = []  # the gloo group `in_turn` waits on (None: the
+# default group, on the CPU), made once
+
+
+@contextmanager
+def in_turn() -> Iterator[None]:
+    """Run the block in one process after another, in rank order (as a single process without
+    a group): what measures the machine, such as the cost calibration, never runs beside
+    another process's measuring, and the later processes find what the first stored. Every
+    process of the group enters it together. The waits are gloo's (a waiting process blocks on
+    a socket, it keeps no core busy)."""
+    if not dist.is_initialized():
+        yield
+        return
+    if not _WAITS:
+        cpu = dist.get_backend() == "gloo"
+        _WAITS.append(None if cpu else dist.new_group(backend="gloo"))
+    group, rank, world = _WAITS[0], dist.get_rank(), dist.get_world_size()
+    for _ in range(rank):  # barrier k opens once rank k is done
+        dist.barrier(group)
+    try:
+        yield
+    finally:
+        for _ in range(world - rank):
+            dist.barrier(group)
 
 
 def is_main() -> bool:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from oled.model.parallel import ParallelError, Split, check_host, join
+from oled.model.parallel import ParallelError, Split, check_host, in_turn, join
 from oled.offload.budget import Budget
 from oled.policies import anchor_policies
 from oled.recipe.schema import RuntimeSection
@@ -44,6 +44,45 @@ def test_several_devices_need_several_processes(monkeypatch) -> None:
         join(2, "cpu")
 
 
+def _join_two(rank: int, port: int) -> None:
+    """Join a gloo group of 2 as process `rank`."""
+    os.environ |= {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    join(2, "cpu")
+
+
+def _take_turns(rank: int, port: int, out: str) -> None:
+    """Process `rank` of 2: three blocks in turn, each stamped on entry and exit."""
+    import time
+
+    _join_two(rank, port)
+    for block in range(3):
+        with in_turn():
+            start = time.monotonic()
+            time.sleep(0.2 if rank == 0 else 0.05)  # the first is slow: the second waits
+            stamps = (block, rank, start, time.monotonic())
+        Path(f"{out}.{rank}.{block}").write_text(json.dumps(stamps))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_processes_take_turns(tmp_path) -> None:
+    """`in_turn`: the block runs in one process after another, in rank order, every time."""
+    out = tmp_path / "turns"
+    mp.spawn(_take_turns, args=(_free_port(), str(out)), nprocs=2, join=True)
+    stamps = sorted(json.loads(f.read_text()) for f in tmp_path.glob("turns.*"))  # by block
+    for first, second in zip(stamps[::2], stamps[1::2], strict=True):
+        assert (first[1], second[1]) == (0, 1)
+        assert first[3] <= second[2]  # the second starts once the first is done
+    with in_turn():  # one process without a group: the block runs
+        pass
+
+
 def _decode_one_of_two(
     rank: int,
     port: int,
@@ -56,13 +95,7 @@ def _decode_one_of_two(
     expert of its share resident, or offloaded at `fraction` of its share with the policies of
     `anchor` (and copies ahead from `ahead`); each rank writes its engine's figures to
     `out`.RANK."""
-    os.environ |= {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
+    _join_two(rank, port)
     torch.set_num_threads(1)
     offload = {} if anchor is None else _offloaded(anchor, fraction, ahead)
     rt = build_runtime(device="cpu", dtype="float32", devices=2, cpu_threads=1, **offload)
