@@ -44,8 +44,8 @@ def test_several_devices_need_several_processes(monkeypatch) -> None:
         join(2, "cpu")
 
 
-def _join_two(rank: int, port: int) -> None:
-    """Join a gloo group of 2 as process `rank`."""
+def _join_two(rank: int, port: int, device: str = "cpu") -> None:
+    """Join a group of 2 as process `rank` (gloo on the CPU, NCCL on CUDA)."""
     os.environ |= {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -53,7 +53,7 @@ def _join_two(rank: int, port: int) -> None:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
-    join(2, "cpu")
+    join(2, device)
 
 
 def _take_turns(rank: int, port: int, out: str) -> None:
@@ -90,15 +90,15 @@ def _decode_one_of_two(
     anchor: str | None = None,
     fraction: float = 1.0,
     ahead: str | None = None,
+    device: str = "cpu",
 ) -> None:
-    """Process `rank` of 2 (gloo): the tiny default's answers, written by rank 0, with every
-    expert of its share resident, or offloaded at `fraction` of its share with the policies of
+    """Process `rank` of 2: the tiny default's answers, written by rank 0, with every expert
+    of its share resident, or offloaded at `fraction` of its share with the policies of
     `anchor` (and copies ahead from `ahead`); each rank writes its engine's figures to
     `out`.RANK."""
-    _join_two(rank, port)
+    _join_two(rank, port, device)
     torch.set_num_threads(1)
-    offload = {} if anchor is None else _offloaded(anchor, fraction, ahead)
-    rt = build_runtime(device="cpu", dtype="float32", devices=2, cpu_threads=1, **offload)
+    rt = build_runtime(devices=2, **_settings(device, anchor, fraction, ahead))
     assert rt.checkpoint.experts.num_experts == rt.config.num_experts // 2
     answers, figures = [], []
     for p in PROMPTS:
@@ -116,19 +116,30 @@ def _decode_one_of_two(
 FIGURES = ("hits", "misses", "cpu_experts", "predicted_hits")  # each rank's, per prompt
 
 
-def _offloaded(anchor: str, fraction: float, ahead: str | None = None) -> dict:
-    """build_runtime's settings of an anchor's policies at `fraction` of the experts, with 2
-    experts per layer copied ahead from `ahead` (router, previous; None: none)."""
-    budget = Budget(expert_fraction=fraction)
+DEVICES = {"cpu": ("float32", "cpu-ci"), "cuda": ("bfloat16", "h200")}  # dtype, cost profile
+
+
+def _settings(
+    device: str, anchor: str | None, fraction: float = 1.0, ahead: str | None = None
+) -> dict:
+    """build_runtime's settings on `device`: every expert resident (`anchor` None), or an
+    anchor's policies at `fraction` of the experts, with 2 experts per layer copied ahead
+    from `ahead` (router, previous; None: none)."""
+    dtype, cost = DEVICES[device]
+    settings = {"device": device, "dtype": dtype, "cpu_threads": 1}
+    if anchor is None:
+        return settings
     copies = {} if ahead is None else {"prefetch": 2, "ahead_from": ahead}
-    return {"budget": budget, "cost": "cpu-ci", **copies, **anchor_policies(anchor)}
+    budget = Budget(expert_fraction=fraction)
+    return settings | {"budget": budget, "cost": cost, **copies, **anchor_policies(anchor)}
 
 
 @cache
-def _one_process(anchor: str | None = None, fraction: float = 1.0) -> list[list[int]]:
+def _one_process(
+    anchor: str | None = None, fraction: float = 1.0, device: str = "cpu"
+) -> list[list[int]]:
     """The tiny default's answers from one process (every expert, or offloaded)."""
-    offload = {} if anchor is None else _offloaded(anchor, fraction)
-    one = build_runtime(device="cpu", dtype="float32", cpu_threads=1, **offload)
+    one = build_runtime(**_settings(device, anchor, fraction))
     return [one.generate(p, **DECODE).token_ids for p in PROMPTS]
 
 
@@ -201,6 +212,24 @@ prompts = "builtin:short"
 [tracking]
 mlflow = false
 """
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_two_offloading_gpus_decode_the_tokens_of_one(tmp_path, fraction) -> None:
+    """Two GPUs (NCCL), each offloading its half at `fraction` with LRU copying every miss,
+    the layers' passes replayed as CUDA graph pieces around the host decision and the
+    all-reduce: exactly one GPU's answers, offloaded and resident alike."""
+    out = tmp_path / "answers.json"
+    args = (_free_port(), str(out), "lru", fraction, None, "cuda")
+    mp.spawn(_decode_one_of_two, args=args, nprocs=2, join=True)
+    one = _one_process("lru", fraction, "cuda")
+    assert json.loads(out.read_text()) == one == _one_process(device="cuda")
+    for rank in (0, 1):
+        figures = json.loads(Path(f"{out}.{rank}").read_text())["figures"]
+        assert all(f["misses"] > 0 and f["cpu_experts"] == 0 for f in figures)
 
 
 OFFLOADED = 'budget = { expert_fraction = 0.5 }\ncost = "cpu-ci"\n'
