@@ -10,7 +10,9 @@ process would. Each pair is non-zero on exactly one process, so the sum adds onl
 the processes decode exactly the tokens of a single process, whatever the order of the sum.
 
 The processes are started by `oled run` (runtime.devices > 1), or by `torchrun`; NCCL joins
-CUDA devices, gloo CPUs.
+CUDA devices, gloo CPUs. Here every expert of a share is resident (ShardedExperts); with an
+offload budget each process offloads its own share (oled.offload.shard), with the same
+all-reduce.
 """
 
 from __future__ import annotations

@@ -262,9 +262,11 @@ class _Fleet:
         self.t = 0.0
 
     def plan(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> None:
+        """Plan one layer (routing ids, weights [T, K]) on every device, from the same start."""
         t0 = self.t + self.cost.layer_ms
         end = max(d.plan(layer, ids, weights, t0, self.cost) for d in self.devices)
-        ms = self.cost.allreduce_ms(ids.size * self.trace.meta.hidden_size * 4, len(self.devices))
+        pairs = ids.size * self.trace.meta.hidden_size * 4  # bytes of the [T, K, H] fp32 pairs
+        ms = self.cost.allreduce_ms(pairs, len(self.devices))
         self.allreduce += ms
         self.t = end + ms
 
