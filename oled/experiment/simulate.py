@@ -48,6 +48,7 @@ def simulate_recipe(
         prefetch_limit=recipe.runtime.prefetch,
         ahead_from=recipe.runtime.ahead_from,
         devices=devices,
+        fresh_policies=lambda: with_oled_defaults(**recipe.policy.build()),
         **with_oled_defaults(**recipe.policy.build()),
     )
     bound = belady_bypass(trace, result.capacity_history)

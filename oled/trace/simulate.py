@@ -20,10 +20,12 @@ import copy
 import heapq
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
 
+from oled.policies import Policies
 from oled.policies.base import (
     AllocationPolicy,
     CompensationPolicy,
@@ -123,22 +125,31 @@ def simulate(
     prefetch_limit: int = 0,
     ahead_from: AheadFrom = "router",
     devices: int = 1,
+    fresh_policies: Callable[[], Policies] | None = None,
 ) -> SimResult:
     """Replay `trace` through a fresh Planner built from these policy objects. Copies ahead
     replay with ahead_from "previous" (the trace's own past forwards); the "router"
     prediction needs the model, so a replay makes none. `devices` > 1: each device its share
-    of the experts, its own copy of the policies and `total_slots` slots of its own."""
+    of the experts, `total_slots` slots of its own and policies of its own: the first device
+    the given ones, each other device `fresh_policies()` (new objects of the same policies),
+    or copies of the given ones when it is None."""
     m = trace.meta
     if m.num_experts % devices:
         raise ValueError(f"{m.num_experts} experts per layer do not split over {devices} devices")
-    policies = (allocation, retention, compensation)
+    given: Policies = {
+        "allocation": allocation,
+        "retention": retention,
+        "compensation": compensation,
+    }
+    fresh = fresh_policies or partial(_copied, given)
+    each = [given, *(fresh() for _ in range(1, devices))]  # copied before a planner holds one
     fleet = _Fleet(
         [
             _Device.make(
                 trace,
                 rank,
                 devices,
-                policies if devices == 1 else copy.deepcopy(policies),
+                each[rank],
                 cost=cost,
                 total_slots=total_slots,
                 stage_capacity=stage_capacity,
@@ -152,6 +163,18 @@ def simulate(
     )
     drive(trace, fleet, on_step=fleet.on_step)
     return fleet.result()
+
+
+def _copied(policies: Policies) -> Policies:
+    """Copies of policy objects, for another device; a ValueError naming `fresh_policies` for
+    those that cannot be copied."""
+    try:
+        return copy.deepcopy(policies)
+    except TypeError as exc:
+        names = ", ".join(type(p).__name__ for p in policies.values())
+        raise ValueError(
+            f"policies {names} cannot be copied for each device ({exc}): give fresh_policies"
+        ) from None
 
 
 class Driven(Protocol):
@@ -181,20 +204,13 @@ class _Device:
         trace: Trace,
         rank: int,
         devices: int,
-        policies: tuple[AllocationPolicy, RetentionPolicy, CompensationPolicy],
+        policies: Policies,
         **settings: Any,
     ) -> _Device:
         m = trace.meta
         kind = Planner if devices == 1 else SharePlanner
-        allocation, retention, compensation = policies
         planner = kind.for_model(
-            m.num_moe_layers,
-            m.num_experts // devices,
-            m.top_k,
-            allocation=allocation,
-            retention=retention,
-            compensation=compensation,
-            **settings,
+            m.num_moe_layers, m.num_experts // devices, m.top_k, **policies, **settings
         )
         local = None if devices == 1 else share_ids(m.num_experts, devices, rank)
         return cls(planner, local, _RoutedBefore(m.num_moe_layers))

@@ -389,6 +389,21 @@ def test_devices_of_a_simulation_miss_their_own_experts(trace_file: Path) -> Non
     assert sum(first) == sum(res.stats["misses"]) == sum(_split(trace, 1.0, 1).stats["misses"])
 
 
+def test_devices_of_a_simulation_have_policies_of_their_own(trace_file: Path) -> None:
+    """Policies that cannot be copied for the second device are named; fresh ones serve."""
+    trace = Trace.load(trace_file)
+    settings = {"cost": COST, "total_slots": 3 * 8, "devices": 2}
+    with pytest.raises(ValueError, match=r"StaticHot cannot be copied .* give fresh_policies"):
+        simulate(trace, **anchor_policies("fiddler"), **settings)
+    res = simulate(
+        trace,
+        **anchor_policies("fiddler"),
+        fresh_policies=lambda: anchor_policies("fiddler"),
+        **settings,
+    )
+    assert len(res.per_device) == 2 and res.iterations == trace.num_steps
+
+
 @pytest.mark.parametrize("anchor", ["lru", "oled"])
 def test_devices_of_a_simulation_share_the_requests(trace_file: Path, anchor: str) -> None:
     """At half of each share: the devices' requests are one device's, their misses the

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from oled.cli import app
+from oled.policies import ANCHORS
 from oled.trace.format import Trace
 
 
@@ -59,12 +60,14 @@ def test_simulate_splits_the_experts_over_devices(tmp_path, tiny_dir):
     that does not split is named."""
     geometry = {"num_layers": 3, "num_experts": 32, "top_k": 4}
     runtime = 'budget = { expert_fraction = 0.5 }\ncost = "cpu-ci"'
-    res = _simulate(tmp_path, tiny_dir, runtime, "--devices", "2", **geometry)
+    res = _simulate(tmp_path, tiny_dir, runtime, "--devices", "2", "--baselines", **geometry)
     assert res.exit_code == 0, res.output
     assert "2 devices" in res.output and "per device" in res.output
-    (row,) = [line for line in res.output.splitlines() if "recipe" in line]
-    total, each = (cell.strip() for cell in row.split("│")[2:4])
-    assert float(total) == pytest.approx(sum(map(float, each.split(" / "))), abs=0.1)
+    rows = [line for line in res.output.splitlines() if line.startswith("│")]
+    assert len(rows) == 1 + len(ANCHORS)  # the recipe and every baseline, fiddler's too
+    for row in rows:
+        total, each = (cell.strip() for cell in row.split("│")[2:4])
+        assert float(total) == pytest.approx(sum(map(float, each.split(" / "))), abs=0.1)
     res = _simulate(tmp_path, tiny_dir, runtime, "--devices", "3", **geometry)
     assert res.exit_code == 2 and "32 experts per layer do not split evenly over 3" in res.output
 
