@@ -88,3 +88,16 @@ def test_shares_see_what_one_planner_sees_of_their_experts(compiled: bool | None
         assert isinstance(p.retention, ConfidenceRetention)
         np.testing.assert_allclose(p.retention.stable, retention.stable[:, mine], rtol=1e-12)
         np.testing.assert_allclose(p.retention.masked, retention.masked[:, mine], rtol=1e-12)
+
+
+def test_miss_curves_of_whole_layers_do_not_plan_a_share() -> None:
+    """Curves fitted over a whole layer's experts plan the whole layer, not a device's share:
+    the error says so."""
+    from oled.policies.allocation import CurvesAllocation
+    from oled.policies.curves import MissCurves
+
+    allocation = CurvesAllocation()
+    allocation.curves = MissCurves(np.zeros((L, E + 1), np.int64), {"trace": "t"})
+    assert sum(allocation.allocate(total_slots=L * E, num_layers=L, num_experts=E, stats=None))
+    with pytest.raises(ValueError, match=r"one of 2 devices' shares: curves of whole layers"):
+        allocation.allocate(total_slots=L * E // 2, num_layers=L, num_experts=E // 2, stats=None)
