@@ -487,7 +487,8 @@ def _offloaded(
     encoded = None
     if rt.transfer != "plain":
         encoded = EncodedCopies(ckpt.experts, rt.transfer, dev, progress)
-    with in_turn():  # devices > 1: one process at a time measures the machine (calibrate)
+    # several devices: one process at a time measures the machine (runtime.cost "calibrate")
+    with in_turn() if split is not None else contextlib.nullcontext():
         cost, costs = decision_cost(spec.cost_model, ckpt, dev, encoded, settings["threads"])
     planner = make_planner(
         ckpt,
