@@ -28,15 +28,17 @@ from oled.model.config import shipped_default as shipped_default  # where tests 
 from oled.model.experts import ResidentExperts
 from oled.model.graphs import EagerForward, GraphedForward
 from oled.model.model import ExpertExecutor
-from oled.model.parallel import ShardedExperts, Split, check_host, join
+from oled.model.parallel import ShardedExperts, Split, check_host, in_turn, join
 from oled.model.presets import builtin_checkpoint
-from oled.offload.budget import KV_TOKENS, total_slots
+from oled.offload.budget import KV_TOKENS, SLOT_KINDS, shape_slots, total_slots
 from oled.offload.encoded import LANDING_ROWS, EncodedCopies
 from oled.offload.engine import OffloadEngine
 from oled.offload.predict import NextLayerRouting
+from oled.offload.shard import ShardedEngine
 from oled.paths import cache_home
 from oled.policies.base import AllocationPolicy, CompensationPolicy, CostModel, RetentionPolicy
 from oled.policies.planner import STAGE_ROUNDS, AheadFrom, Planner
+from oled.policies.share import SharePlanner
 from oled.recipe import DEFAULT_MODEL, Recipe, RuntimeSection
 from oled.recipe.schema import RUNTIME
 from oled.threads import MONITOR, ThreadChoice, choose, env_threads, visible_cpus
@@ -419,7 +421,8 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
     misses cross the link (oled.model.codec): "plain" bf16 rows, "lossless" encoded rows (the
     same tokens, fewer bytes), "fp8" or "int4" (lossy: about a half or a quarter of the bytes,
     other tokens). `runtime.devices` > 1: this process is one of that many, each holding a
-    share of the experts, all resident (oled.model.parallel).
+    share of the experts (oled.model.parallel), all resident or offloaded with the budget
+    applied to each device over its share (oled.offload.shard).
     """
     spec = spec if isinstance(spec, RuntimeSpec) else RuntimeSpec.of(spec)
     rt = spec.runtime
@@ -431,22 +434,13 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
         "kernels": rt.kernels,
         "threads": threads,
     }
-    if rt.devices > 1:
-        return _build_split(spec, dev, torch_dtype, settings, progress)
     check_codec(rt.transfer, torch_dtype)
     fused_kernels.check(rt.kernels, dev)
     fused_kernels.use(rt.kernels)  # the cost calibration below already times these kernels
+    if rt.devices > 1:
+        return _build_split(spec, dev, torch_dtype, settings, progress)
     path = resolve_model(spec.model)
-    cfg = ModelConfig.from_json(path)
-    scratch = STAGE_ROUNDS * rt.stage_capacity + (LANDING_ROWS if rt.transfer != "plain" else 0)
-    slots = total_slots(
-        rt.budget,
-        cfg,
-        dtype=torch_dtype,
-        device=dev,
-        kv_tokens=spec.kv_tokens,
-        scratch_experts=scratch,
-    )
+    slots = _slots(spec, ModelConfig.from_json(path), dev, torch_dtype)
     ckpt = load_checkpoint(
         path,
         device=dev,
@@ -457,10 +451,45 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
     if slots is None:
         executor = ResidentExperts(ckpt.experts, dev)
         return Runtime(checkpoint=ckpt, device=dev, executor=executor, **settings)
+    return _offloaded(spec, ckpt, dev, slots, settings, progress)
+
+
+def _slots(
+    spec: RuntimeSpec, cfg: ModelConfig, dev: torch.device, dtype: torch.dtype, share: int = 0
+) -> int | None:
+    """The expert slots of the spec's budget on this device (None: every expert resident),
+    over its `share` of each layer's experts when several devices split them (0: all)."""
+    rt = spec.runtime
+    scratch = STAGE_ROUNDS * rt.stage_capacity + (LANDING_ROWS if rt.transfer != "plain" else 0)
+    return total_slots(
+        rt.budget,
+        cfg,
+        dtype=dtype,
+        device=dev,
+        kv_tokens=spec.kv_tokens,
+        scratch_experts=scratch,
+        experts=share or None,
+    )
+
+
+def _offloaded(
+    spec: RuntimeSpec,
+    ckpt: Checkpoint,
+    dev: torch.device,
+    slots: int,
+    settings: dict[str, Any],
+    progress: bool,
+    split: Split | None = None,
+) -> Runtime:
+    """The runtime whose engine offloads the checkpoint's experts (`split`'s share of them)
+    into `slots` slots."""
+    rt = spec.runtime
     encoded = None
     if rt.transfer != "plain":
         encoded = EncodedCopies(ckpt.experts, rt.transfer, dev, progress)
-    cost, costs = decision_cost(spec.cost_model, ckpt, dev, encoded, threads)
+    # several devices: one process at a time measures the machine (runtime.cost "calibrate")
+    with in_turn() if split is not None else contextlib.nullcontext():
+        cost, costs = decision_cost(spec.cost_model, ckpt, dev, encoded, settings["threads"])
     planner = make_planner(
         ckpt,
         dev,
@@ -473,8 +502,9 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
         prefetch=rt.prefetch,
         ahead_from=rt.ahead_from,
         planner=rt.planner,
+        share=split is not None,
     )
-    engine = make_engine(ckpt, dev, planner, driver=spec.driver, encoded=encoded)
+    engine = make_engine(ckpt, dev, planner, driver=spec.driver, encoded=encoded, split=split)
     return Runtime(
         checkpoint=ckpt, device=dev, executor=engine, observers=[engine], costs=costs, **settings
     )
@@ -482,13 +512,21 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
 
 def check_split(model: str, rt: RuntimeSection) -> tuple[Path, int]:
     """(the model's checkpoint directory, its experts per layer), once this host and the model
-    allow `rt.devices` processes (enough GPUs; experts that split evenly): a ValueError naming
-    what does not."""
+    allow `rt.devices` processes (enough GPUs; experts that split evenly; a counted budget of
+    at least one slot per layer on each device's share): a ValueError naming what does not."""
     check_host(rt.devices, rt.device)
     path = resolve_model(model)
-    experts = ModelConfig.from_json(path).num_experts
-    Split(0, rt.devices, experts)
-    return path, experts
+    cfg = ModelConfig.from_json(path)
+    split = Split(0, rt.devices, cfg.num_experts)
+    if rt.budget.kind in SLOT_KINDS:  # counted slots: checked before any process starts
+        try:
+            shape_slots(rt.budget, cfg.num_moe_layers, split.per)
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc}: with runtime.devices = {rt.devices} the budget is per device, over "
+                f"its share of {split.per} experts per layer"
+            ) from None
+    return path, cfg.num_experts
 
 
 def _build_split(
@@ -498,7 +536,8 @@ def _build_split(
     settings: dict[str, Any],
     progress: bool,
 ) -> Runtime:
-    """This process's runtime of `runtime.devices` that split the experts, all resident."""
+    """This process's runtime of `runtime.devices` that split the experts: its share resident,
+    or offloaded within the budget over its share."""
     rt = spec.runtime
     path, experts = check_split(spec.model, rt)
     rank, local = join(rt.devices, dev.type)
@@ -506,14 +545,18 @@ def _build_split(
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     split = Split(rank, rt.devices, experts)
+    slots = _slots(spec, ModelConfig.from_json(path), dev, dtype, share=split.per)
     ckpt = load_checkpoint(
         path,
         device=dev,
         dtype=dtype,
         progress=progress and rank == 0,
+        pin_experts=dev.type == "cuda" and slots is not None,  # pinned only if they stay on host
         experts=split.owned,
-        experts_on_device=True,  # never the whole share in host memory as well
+        experts_on_device=slots is None,  # never the whole share in host memory as well
     )
+    if slots is not None:
+        return _offloaded(spec, ckpt, dev, slots, settings, progress and rank == 0, split)
     return Runtime(
         checkpoint=ckpt,
         device=dev,
@@ -584,12 +627,26 @@ def make_engine(
     *,
     driver: bool | None = None,
     encoded: EncodedCopies | None = None,
+    split: Split | None = None,
 ) -> OffloadEngine:
     """The offload engine over the checkpoint's experts, with the next layer's routing
     predicted from the model's routers when the planner prefetches; `driver`, `encoded`:
-    see OffloadEngine (give the planner the `decision_cost` of the same `encoded`)."""
+    see OffloadEngine (give the planner the `decision_cost` of the same `encoded`); `split`:
+    the checkpoint holds this share of the experts (oled.offload.shard, planned by a
+    make_planner(share=True); its layer calls launch from Python)."""
     routers = planner.prefetch_limit and planner.ahead_from == "router"
     predict = NextLayerRouting(ckpt.model) if routers else None
+    if split is not None:
+        if driver:
+            raise ValueError("layer calls cannot launch from C with runtime.devices > 1")
+        return ShardedEngine(
+            store=ckpt.experts,
+            device=dev,
+            planner=planner,
+            split=split,
+            predict=predict,
+            encoded=encoded,
+        )
     return OffloadEngine(
         store=ckpt.experts,
         device=dev,
@@ -616,15 +673,19 @@ def make_planner(
     prefetch: int = RUNTIME.prefetch,
     ahead_from: AheadFrom = RUNTIME.ahead_from,
     planner: str = RUNTIME.planner,
+    share: bool = False,
 ) -> Planner:
-    """A planner of `slots` expert slots with the given policies; OLED's own where one is not
-    given; compiled or in Python as `planner` says ("auto", "compiled", "python")."""
+    """A planner of `slots` expert slots over the checkpoint's experts with the given
+    policies; OLED's own where one is not given; compiled or in Python as `planner` says
+    ("auto", "compiled", "python"); `share`: the checkpoint holds one device's share of the
+    experts, planned in that share's ids (oled.policies.share)."""
     if planner not in PLANNER_MODES:
         raise ValueError(f"unknown planner {planner!r}: choose from {', '.join(PLANNER_MODES)}")
     cfg = ckpt.config
-    return Planner.for_model(
+    kind = SharePlanner if share else Planner
+    return kind.for_model(
         cfg.num_moe_layers,
-        cfg.num_experts,
+        ckpt.experts.num_experts,
         cfg.num_experts_per_tok,
         slots,
         stage_capacity=stage_capacity,

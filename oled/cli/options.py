@@ -55,8 +55,8 @@ CacheOpt = Annotated[
     int | None,
     typer.Option(
         "--cache-size",
-        help="GPU expert slots per MoE layer, with the recipe's "
-        "policies, else OLED's (default: the recipe's budget, else all resident).",
+        help="GPU expert slots per MoE layer (per device with runtime.devices > 1), with "
+        "the recipe's policies, else OLED's (default: the recipe's budget, else all resident).",
     ),
 ]
 BlockOpt = Annotated[

@@ -114,11 +114,22 @@ def simulate_cmd(
         bool, typer.Option("--baselines", help="Also replay every baseline at the same budget.")
     ] = False,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
+    devices: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Devices that split every layer's experts, each with the budget over its "
+            "share (default: the recipe's runtime.devices).",
+        ),
+    ] = None,
 ) -> None:
     """Replay a trace through policies: misses per forward, Belady's at the same capacities and
     the multiple, modelled latency, copies, CPU share and the share of the link's time hidden
     under compute (the recipe's model, where it is on this machine, must route like the trace).
-    Copies ahead replay with `runtime.ahead_from = "previous"`; the router's need the model."""
+    Copies ahead replay with `runtime.ahead_from = "previous"`; the router's need the model.
+    With several devices, each plans its share of the experts with its own cache: the misses
+    per forward of each device, and the forward's time as the slowest device's plus the
+    modelled all-reduce of every MoE layer."""
     from oled.experiment.simulate import simulate_recipe
     from oled.recipe import load_recipe
     from oled.trace.format import Trace
@@ -137,10 +148,15 @@ def simulate_cmd(
                     "policy.compensation": {"kind": c},
                 }
             )
-    table = Table(title=f"{trace_file.name}: {trace.num_steps} forwards")
+    split = (devices or base.runtime.devices) > 1
+    title = f"{trace_file.name}: {trace.num_steps} forwards"
+    if split:
+        title += f", {devices or base.runtime.devices} devices"
+    table = Table(title=title)
     for col in (
         "policy",
         "misses/it",
+        *(["per device"] if split else []),
         "Belady",
         "x Belady",
         "ms/it (model)",
@@ -154,13 +170,16 @@ def simulate_cmd(
         else:
             table.add_column(col, justify="right")
     for name, run in runs.items():
-        res, bound = simulate_recipe(trace, run, profile=profile)
+        res, bound = simulate_recipe(trace, run, profile=profile, devices=devices)
         requests = sum(res.stats["requests"])
         misses = requests - sum(res.stats["hits"])
         least = requests * (1 - bound)  # Belady's misses at the same capacities
+        forwards = max(1, res.iterations)
+        each = " / ".join(f"{d['misses'] / forwards:.1f}" for d in res.per_device)
         table.add_row(
             name,
-            f"{misses / max(1, res.iterations):.1f}",
+            f"{misses / forwards:.1f}",
+            *([each] if split else []),
             f"{least / max(1, res.iterations):.1f}",
             f"{misses / least:.2f}x" if least else "-",
             f"{res.ms_per_iteration:.2f}",

@@ -13,19 +13,28 @@ from oled.trace.simulate import SimResult, belady_bypass, simulate
 
 
 def simulate_recipe(
-    trace: Trace, recipe: Recipe, *, profile: str | None = None
+    trace: Trace, recipe: Recipe, *, profile: str | None = None, devices: int | None = None
 ) -> tuple[SimResult, float]:
     """Replay `trace` through a recipe's policies and budget (the runtime's budget kinds that
     count slots, sized for the traced model's shape; the recipe's stage capacity and copies
     ahead from the forward before, `runtime.ahead_from` "previous"): (SimResult,
-    Belady bound). A ValueError when the recipe's model (where it is on this machine) does
-    not route like the trace."""
+    Belady bound). `devices` (default: the recipe's `runtime.devices`): that many devices
+    split the experts, the budget per device over its share. The bound is Belady's at the
+    devices' slots together (a split's hits never exceed it). A ValueError when the recipe's
+    model (where it is on this machine) does not route like the trace."""
     meta = trace.meta
     mismatch = routes_unlike(meta, recipe.model.path)
     if mismatch is not None:
         raise ValueError(f"simulation: {mismatch}")
+    devices = devices or recipe.runtime.devices
+    if meta.num_experts % devices:
+        raise ValueError(
+            f"simulation: {meta.num_experts} experts per layer do not split evenly over "
+            f"{devices} devices"
+        )
+    share = meta.num_experts // devices
     try:
-        slots = shape_slots(recipe.runtime.budget, meta.num_moe_layers, meta.num_experts)
+        slots = shape_slots(recipe.runtime.budget, meta.num_moe_layers, share)
     except ValueError as exc:
         raise ValueError(f"simulation: {exc}") from None
     cost_name = profile or recipe.runtime.cost
@@ -38,6 +47,8 @@ def simulate_recipe(
         stage_capacity=recipe.runtime.stage_capacity,
         prefetch_limit=recipe.runtime.prefetch,
         ahead_from=recipe.runtime.ahead_from,
+        devices=devices,
+        fresh_policies=lambda: with_oled_defaults(**recipe.policy.build()),
         **with_oled_defaults(**recipe.policy.build()),
     )
     bound = belady_bypass(trace, result.capacity_history)

@@ -10,7 +10,9 @@ process would. Each pair is non-zero on exactly one process, so the sum adds onl
 the processes decode exactly the tokens of a single process, whatever the order of the sum.
 
 The processes are started by `oled run` (runtime.devices > 1), or by `torchrun`; NCCL joins
-CUDA devices, gloo CPUs.
+CUDA devices, gloo CPUs. Here every expert of a share is resident (ShardedExperts); with an
+offload budget each process offloads its own share (oled.offload.shard), with the same
+all-reduce.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +75,14 @@ class Split:
         return out
 
 
+def all_reduce(pairs: Tensor) -> Tensor:
+    """The pairs [T, K, H] fp32 of every share, summed in place over the processes: each pair
+    is non-zero on the one process holding its expert."""
+    with stage("all-reduce"):
+        dist.all_reduce(pairs)
+    return pairs
+
+
 def check_host(devices: int, device: str) -> None:
     """A ParallelError when `device` ("auto", "cpu", "cuda") cannot give `devices` processes a
     device each: on CUDA, fewer GPUs than that (a CPU host runs any number of CPU processes)."""
@@ -118,6 +130,33 @@ def start(devices: int, args: list[str]) -> int:
     return subprocess.run(cmd, check=False, env=env).returncode
 
 
+_WAITS: list[dist.ProcessGroup | None] = []  # the gloo group `in_turn` waits on (None: the
+# default group, on the CPU), made once
+
+
+@contextmanager
+def in_turn() -> Iterator[None]:
+    """Run the block in one process after another, in rank order (as a single process without
+    a group): what measures the machine, such as the cost calibration, never runs beside
+    another process's measuring, and the later processes find what the first stored. Every
+    process of the group enters it together. The waits are gloo's (a waiting process blocks on
+    a socket, it keeps no core busy)."""
+    if not dist.is_initialized():
+        yield
+        return
+    if not _WAITS:
+        cpu = dist.get_backend() == "gloo"
+        _WAITS.append(None if cpu else dist.new_group(backend="gloo"))
+    group, rank, world = _WAITS[0], dist.get_rank(), dist.get_world_size()
+    for _ in range(rank):  # barrier k opens once rank k is done
+        dist.barrier(group)
+    try:
+        yield
+    finally:
+        for _ in range(world - rank):
+            dist.barrier(group)
+
+
 def is_main() -> bool:
     """Whether this process reports (rank 0, or the only process)."""
     return not dist.is_initialized() or dist.get_rank() == 0
@@ -143,8 +182,5 @@ class ShardedExperts(ResidentExperts):
         return super().pairs(layer, x, self.rows[ids], weights)  # rows: -1 elsewhere
 
     def gather(self, pairs: Tensor) -> Tensor:
-        """The pairs of every share, summed over the processes: each pair is non-zero on the
-        one process holding its expert."""
-        with stage("all-reduce"):
-            dist.all_reduce(pairs)
-        return pairs
+        """The pairs of every share, summed over the processes (`all_reduce`)."""
+        return all_reduce(pairs)

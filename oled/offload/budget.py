@@ -39,7 +39,8 @@ class Budget(BaseModel):
     """How much GPU memory experts may use, exactly one of: every expert resident; a fraction
     of all experts; a number of expert slots (all MoE layers together); slots per MoE layer; a
     whole-device memory budget (a size such as "24GiB", or bytes); or `auto` (the free
-    memory). A recipe's `runtime.budget` table is this object; each range is declared here,
+    memory). With runtime.devices > 1 it is each device's budget, over its share of every
+    layer's experts. A recipe's `runtime.budget` table is this object; each range is declared here,
     once. `Budget("expert_fraction", 0.25)` is `Budget(expert_fraction=0.25)`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -122,14 +123,17 @@ def total_slots(
     device: torch.device,
     kv_tokens: int = KV_TOKENS,
     scratch_experts: int = 0,
+    experts: int | None = None,
 ) -> int | None:
     """Expert slots for all MoE layers together; None when every expert stays resident.
     `scratch_experts`: room for that many experts beside the slots (the stage's rounds and the
-    landing buffer of encoded transfers).
+    landing buffer of encoded transfers). `experts`: the experts per layer this device holds
+    (its share when several devices split them; the model's by default): a fraction or a
+    count of slots is of that share, and a memory budget is this device's.
 
     Raises ValueError, stating the minimum, when the budget cannot hold one slot per MoE layer.
     """
-    layers, experts = cfg.num_moe_layers, cfg.num_experts
+    layers, experts = cfg.num_moe_layers, experts or cfg.num_experts
     if budget.kind == "resident":
         return None
     if budget.kind in SLOT_KINDS:
@@ -141,7 +145,7 @@ def total_slots(
         slots,
         layers,
         experts,
-        lambda: _too_small(budget, cfg, dtype, kv_tokens, scratch_experts, slots),
+        lambda: _too_small(budget, cfg, dtype, kv_tokens, scratch_experts, slots, experts),
     )
     return None if fitted == layers * experts else fitted
 
@@ -236,8 +240,10 @@ def _too_small(
     kv_tokens: int,
     scratch_experts: int,
     slots: int,
+    experts: int,
 ) -> str:
     need = minimum_bytes(cfg, dtype, kv_tokens, scratch_experts)
+    share = "" if experts == cfg.num_experts else f" (per device, over its {experts} experts)"
     what = {
         "expert_fraction": f"expert_fraction {budget.value} gives {slots} slots",
         "expert_budget": f"expert_budget {int(budget.value)} slots",
@@ -246,7 +252,7 @@ def _too_small(
         "auto": f"the free device memory holds {slots} expert slots",
     }[budget.kind]
     return (
-        f"budget too small: {what}, but the model needs at least {cfg.num_moe_layers} "
+        f"budget too small: {what}{share}, but the model needs at least {cfg.num_moe_layers} "
         f"(one per MoE layer). Minimum device memory: {gib(need)} = non-expert weights "
         f"{gib(non_expert_bytes(cfg, dtype))} + KV cache for {kv_tokens} tokens "
         f"{gib(kv_bytes(cfg, dtype, kv_tokens))} + activations {gib(ACTIVATION_RESERVE)} + "

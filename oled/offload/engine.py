@@ -151,7 +151,7 @@ class OffloadEngine(DecodeObserver):
 
     def __call__(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """x [T, H], ids [T, K], weights [T, K] fp32 -> routed expert sum [T, H] in x.dtype."""
-        pairs = self._layer(layer, MoERequest(layer, x, ids, weights), None)
+        pairs = self.gather(self._layer(layer, MoERequest(layer, x, ids, weights), None))
         with stage("combine"):
             return combine(pairs, x.dtype)
 
@@ -166,7 +166,22 @@ class OffloadEngine(DecodeObserver):
         CUDA graphs (oled.model.graphs), the host decision and any CPU or staged experts run
         eagerly between them."""
         request, pairs = self._static(layer, tokens)
-        self._layer(layer, request, pairs)
+        self.gather(self._layer(layer, request, pairs))
+
+    def gather(self, pairs: Tensor) -> Tensor:
+        """Every pair [T, K, H] fp32 of the layer, where other executors computed some (here:
+        all are; oled.offload.shard sums the shares of several devices)."""
+        return pairs
+
+    def local_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Routing ids [T, K] as this engine's expert ids (here: the model's; a share's in
+        oled.offload.shard)."""
+        return ids
+
+    def slots(self, slot_map: Tensor, ids: Tensor) -> Tensor:
+        """[T, K] int64: the slot of each pair (routing `ids` [T, K] on the device) in a slot
+        map [E] (-1: not in this table)."""
+        return slot_map[ids]
 
     def _static(self, layer: int, tokens: int) -> tuple[MoERequest, Tensor]:
         """Static request buffers and pairs buffer [T, K, H] fp32 of (layer, tokens)."""
@@ -194,6 +209,8 @@ class OffloadEngine(DecodeObserver):
         with stage("routing to host"):
             predicted = self._predict(r, into is not None)  # [T, K] of layer + 1, or None
             ids_np, w_np, next_np = self._routing_to_host(r, predicted)  # [T, K] each
+            ids_np = self.local_ids(ids_np)
+            next_np = None if next_np is None else self.local_ids(next_np)
         t1 = time.perf_counter()  # the layer's one sync is over
         self._routing[layer] = (ids_np, w_np)
         with stage("host decision"):
@@ -343,7 +360,7 @@ class OffloadEngine(DecodeObserver):
         graph replay when `static` (r and `into` are the layer's static buffers)."""
 
         def compute() -> Tensor:
-            slots = maps[row][r.ids]  # [T, K]
+            slots = self.slots(maps[row], r.ids)  # [T, K]
             pairs = expert_pairs(r.x, slots, r.weights, *tables)  # [T, K, H] fp32
             if into is None:
                 return pairs
@@ -399,7 +416,7 @@ class OffloadEngine(DecodeObserver):
         layer's x itself (`copied` None)."""
         if not len(plan.cpu_experts):
             return None
-        on_cpu = np.zeros(self.num_experts, bool)
+        on_cpu = np.zeros(self.num_experts + 1, bool)  # + 1: others' pairs (local_ids)
         on_cpu[plan.cpu_experts] = True
         slots = torch.from_numpy(np.where(on_cpu[ids_np], ids_np, -1))  # [T, K]
         return CpuJob(layer, x_host, slots, torch.from_numpy(w_np), copied, plan.cpu_tokens)

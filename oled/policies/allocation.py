@@ -241,8 +241,14 @@ class CurvesAllocation(AllocationPolicy):
         if c is None:
             return uniform_split(total_slots, num_layers, num_experts)
         if (c.num_layers, c.num_experts) != (num_layers, num_experts):
+            share = c.num_experts > num_experts and not c.num_experts % num_experts
+            hint = (
+                f" (one of {c.num_experts // num_experts} devices' shares: curves of whole "
+                "layers do not fit a share; use another allocation with several devices)"
+            )
             raise ValueError(
                 f"miss curves of {c.num_layers} layers x {c.num_experts} experts "
                 f"({c.source.get('trace', '?')}) for a model of {num_layers} x {num_experts}"
+                + (hint if share else "")
             )
         return split(c.misses, total_slots)

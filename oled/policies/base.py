@@ -89,6 +89,10 @@ class CostModel:
     # once per layer that computes any expert on the CPU: its activations to the host, the
     # hand-off and the rows back (a stored calibration without it reads 0)
     cpu_call_ms: float = 0.0
+    # one all-reduce of a layer's pairs between devices (runtime.devices > 1): estimates of
+    # NCCL between GPUs of one host (about 20 us, about 100 GB/s of bus bandwidth), not measured
+    allreduce_fixed_ms: float = 0.02
+    allreduce_ms_per_mb: float = 0.01
 
     @overload
     def copy_ms(self, n_experts: int) -> float: ...
@@ -129,6 +133,14 @@ class CostModel:
         n = np.asarray(n_distinct_experts, dtype=np.float64)
         out = np.where(n > 0, self.gpu_fixed_ms + self.gpu_ms_per_expert * n, 0.0)
         return float(out) if out.ndim == 0 else out
+
+    def allreduce_ms(self, nbytes: int, devices: int) -> float:
+        """Time of one all-reduce of `nbytes` over `devices` devices (0 for one): a ring sends
+        and receives 2 (N - 1) / N of the bytes on each device."""
+        if devices < 2:
+            return 0.0
+        moved = 2 * (devices - 1) / devices * nbytes / 1e6  # MB
+        return self.allreduce_fixed_ms + self.allreduce_ms_per_mb * moved
 
     def for_transfer(self, share: float) -> CostModel:
         """The costs when a copy moves `share` of an expert's bytes (an encoded transfer,

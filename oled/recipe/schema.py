@@ -94,7 +94,8 @@ class RuntimeSection(Strict):
     max_queue: int = Field(default=64, ge=0)  # requests `oled serve` keeps waiting (more: 429)
     # how misses cross the link: bf16 rows, encoded bit-exact, or fp8 / int4 (lossy: other tokens)
     transfer: Literal["plain", "lossless", "fp8", "int4"] = "plain"
-    # processes (one per device) that split every layer's experts (oled.model.parallel)
+    # processes (one per device) that split every layer's experts in contiguous shares
+    # (oled.model.parallel); an offload budget applies to each device over its own share
     devices: int = Field(default=1, ge=1)
 
     @field_validator("kernels", "transfer", "ahead_from", mode="before")
@@ -106,17 +107,6 @@ class RuntimeSection(Strict):
         if isinstance(value, str) and value not in choices:
             raise ValueError(f"unknown {name} {value!r}; choose from {', '.join(choices)}")
         return value
-
-    @model_validator(mode="after")
-    def _split_resident(self) -> RuntimeSection:
-        """Several devices split the experts with every one of them resident (for now)."""
-        if self.devices > 1 and self.budget.resident is None:
-            raise ValueError(
-                f"devices = {self.devices} splits the experts across devices with all of them "
-                "resident: set budget = { resident = true } (offloading on several devices is "
-                "not supported yet)"
-            )
-        return self
 
     @field_validator("device")
     @classmethod

@@ -8,17 +8,25 @@ parallel. The layer ends when
 the GPU and the CPU are both done. Copies ahead into the next layer (LayerPlan.ahead_*) queue
 behind the layer's own; that layer's hits wait for them. Stall = time the GPU waits for copies
 (after its hits, or before them for copies ahead).
+
+With several devices (`devices` > 1, runtime.devices), each device plans its contiguous share
+of every layer's experts on its own planner, policies, budget (per device, over its share) and
+queues (oled.policies.share); a layer ends when the slowest device is done and the pairs are
+all-reduced (CostModel.allreduce_ms), and every device starts the next layer then.
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import Any, Protocol
 
 import numpy as np
 
+from oled.policies import Policies
 from oled.policies.base import (
     AllocationPolicy,
     CompensationPolicy,
@@ -27,11 +35,9 @@ from oled.policies.base import (
     RetentionPolicy,
     StepContext,
 )
-from oled.policies.planner import AheadFrom, LayerPlan, Planner, layer_times
+from oled.policies.planner import AheadFrom, LayerPlan, Planner, PlannerStats, layer_times
+from oled.policies.share import SharePlanner, share_ids
 from oled.trace.format import Trace
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass
@@ -57,7 +63,11 @@ class SimResult:
     # of the misses after a generation's first forward, the share that the same layer routed in
     # the forward before (what a prediction from that forward could have copied a forward early)
     misses_routed_before: float = 0.0
-    stats: dict[str, list[int]] = field(default_factory=dict)
+    stats: dict[str, list[int]] = field(default_factory=dict)  # summed over the devices
+    devices: int = 1
+    # each device's figures (its share's requests, hits, misses, copies, CPU experts, stall)
+    per_device: list[dict[str, float]] = field(default_factory=list)
+    allreduce_ms_per_iteration: float = 0.0  # modelled, within ms_per_iteration
 
     def to_dict(self) -> dict:
         """JSON-friendly."""
@@ -115,68 +125,210 @@ def simulate(
     stage_capacity: int = 8,
     prefetch_limit: int = 0,
     ahead_from: AheadFrom = "router",
+    devices: int = 1,
+    fresh_policies: Callable[[], Policies] | None = None,
 ) -> SimResult:
     """Replay `trace` through a fresh Planner built from these policy objects. Copies ahead
     replay with ahead_from "previous" (the trace's own past forwards); the "router"
-    prediction needs the model, so a replay makes none."""
+    prediction needs the model, so a replay makes none. `devices` > 1: each device its share
+    of the experts, `total_slots` slots of its own and policies of its own: the first device
+    the given ones, each other device `fresh_policies()` (new objects of the same policies),
+    or copies of the given ones when it is None."""
     m = trace.meta
-    planner = Planner.for_model(
-        m.num_moe_layers,
-        m.num_experts,
-        m.top_k,
-        total_slots,
-        stage_capacity=stage_capacity,
-        cost=cost,
-        allocation=allocation,
-        retention=retention,
-        compensation=compensation,
-        prefetch_limit=prefetch_limit if ahead_from == "previous" else 0,
-        ahead_from=ahead_from,
+    if m.num_experts % devices:
+        raise ValueError(f"{m.num_experts} experts per layer do not split over {devices} devices")
+    given: Policies = {
+        "allocation": allocation,
+        "retention": retention,
+        "compensation": compensation,
+    }
+    fresh = fresh_policies or partial(_copied, given)
+    each = [given, *(fresh() for _ in range(1, devices))]  # copied before a planner holds one
+    fleet = _Fleet(
+        [
+            _Device.make(
+                trace,
+                rank,
+                devices,
+                each[rank],
+                cost=cost,
+                total_slots=total_slots,
+                stage_capacity=stage_capacity,
+                prefetch_limit=prefetch_limit if ahead_from == "previous" else 0,
+                ahead_from=ahead_from,
+            )
+            for rank in range(devices)
+        ],
+        cost,
+        trace,
     )
-    step_ms = np.zeros(trace.num_steps)
-    history = np.zeros((trace.num_steps, m.num_moe_layers), np.int64)
-    clock = _Clock()
-    before = _RoutedBefore(m.num_moe_layers)
-    t = 0.0
+    drive(trace, fleet, on_step=fleet.on_step)
+    return fleet.result()
 
-    def on_step(s: int, ctx: StepContext) -> None:
-        nonlocal t
-        if s:
-            step_ms[s - 1] = t
-            clock.shift(t)
-        if ctx.step == 0:  # a new generation: nothing routed before it
-            before.reset()
-        history[s] = planner.capacities
-        t = 0.0
 
-    def plan(layer: int, ids: np.ndarray, w: np.ndarray) -> None:
-        nonlocal t
-        t0 = t + cost.layer_ms
-        load = Load(
-            copy_queue_ms=max(0.0, clock.copy_free - t0),
-            cpu_queue_ms=max(0.0, clock.cpu_free - t0),
+def _copied(policies: Policies) -> Policies:
+    """Copies of policy objects, for another device; a ValueError naming `fresh_policies` for
+    those that cannot be copied."""
+    try:
+        return copy.deepcopy(policies)
+    except TypeError as exc:
+        names = ", ".join(type(p).__name__ for p in policies.values())
+        raise ValueError(
+            f"policies {names} cannot be copied for each device ({exc}): give fresh_policies"
+        ) from None
+
+
+class Driven(Protocol):
+    """What `drive` drives: a Planner, or the devices of a simulation."""
+
+    def end_block(self) -> object: ...
+    def begin_step(self, *, step: int, block: int) -> None: ...
+    def plan(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> object: ...
+    def observe(
+        self, layer: int, ids: np.ndarray, weights: np.ndarray, ctx: StepContext
+    ) -> None: ...
+
+
+@dataclass
+class _Device:
+    """One device of a simulation: its planner (of its share's experts, in their ids
+    `local` [E], when there are several), queues and misses routed before."""
+
+    planner: Planner
+    local: np.ndarray | None
+    before: _RoutedBefore
+    clock: _Clock = field(default_factory=_Clock)
+
+    @classmethod
+    def make(
+        cls,
+        trace: Trace,
+        rank: int,
+        devices: int,
+        policies: Policies,
+        **settings: Any,
+    ) -> _Device:
+        m = trace.meta
+        kind = Planner if devices == 1 else SharePlanner
+        planner = kind.for_model(
+            m.num_moe_layers, m.num_experts // devices, m.top_k, **policies, **settings
         )
-        p = planner.plan(layer, ids, w, load)
-        before.count(layer, p)
-        t = clock.layer(t0, p, cost)
+        local = None if devices == 1 else share_ids(m.num_experts, devices, rank)
+        return cls(planner, local, _RoutedBefore(m.num_moe_layers))
 
-    drive(trace, planner, plan, on_step)
-    if trace.num_steps:
-        step_ms[-1] = t
-    result = _result(trace, planner, step_ms, history, clock, cost)
-    result.misses_routed_before = before.share()
-    return result
+    def ids(self, ids: np.ndarray) -> np.ndarray:
+        """Routing ids [T, K] in this device's expert ids."""
+        return ids if self.local is None else self.local[ids]
+
+    def plan(
+        self, layer: int, ids: np.ndarray, weights: np.ndarray, t0: float, cost: CostModel
+    ) -> float:
+        """Plan the layer from `t0` under the load of this device's queues; its end time."""
+        load = Load(
+            copy_queue_ms=max(0.0, self.clock.copy_free - t0),
+            cpu_queue_ms=max(0.0, self.clock.cpu_free - t0),
+        )
+        p = self.planner.plan(layer, self.ids(ids), weights, load)
+        self.before.count(layer, p)
+        return self.clock.layer(t0, p, cost)
+
+    def figures(self, forwards: int) -> dict[str, float]:
+        """This device's figures for the report."""
+        st = self.planner.stats
+        return {
+            "requests": int(st.requests.sum()),
+            "hits": int(st.hits.sum()),
+            "misses": int(st.misses.sum()),
+            "copies": int(st.copies.sum() + st.staged.sum()),
+            "cpu_experts": int(st.cpu_experts.sum()),
+            "stall_ms": float(self.clock.stall),
+            "copy_ms_per_iteration": self.clock.copy_busy / max(1, forwards),
+        }
+
+
+class _Fleet:
+    """The devices of a simulation, layer by layer: each plans its share; the layer ends when
+    the slowest is done and (several devices) the pairs [T, K, H] fp32 are all-reduced."""
+
+    def __init__(self, devices: list[_Device], cost: CostModel, trace: Trace) -> None:
+        self.devices, self.cost, self.trace = devices, cost, trace
+        m = trace.meta
+        self.step_ms = np.zeros(trace.num_steps)
+        self.history = np.zeros((trace.num_steps, m.num_moe_layers), np.int64)
+        self.allreduce = 0.0  # ms, all forwards
+        self.t = 0.0
+
+    def end_block(self) -> None:
+        for d in self.devices:
+            d.planner.end_block()
+
+    def begin_step(self, *, step: int, block: int) -> None:
+        for d in self.devices:
+            d.planner.begin_step(step=step, block=block)
+
+    def on_step(self, s: int, ctx: StepContext) -> None:
+        """Forward `s` starts: the last one's time kept, every device's queues shifted."""
+        if s:
+            self.step_ms[s - 1] = self.t
+        for d in self.devices:
+            if s:
+                d.clock.shift(self.t)
+            if ctx.step == 0:  # a new generation: nothing routed before it
+                d.before.reset()
+        self.history[s] = np.sum([d.planner.capacities for d in self.devices], axis=0)  # [L]
+        self.t = 0.0
+
+    def plan(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> None:
+        """Plan one layer (routing ids, weights [T, K]) on every device, from the same start."""
+        t0 = self.t + self.cost.layer_ms
+        end = max(d.plan(layer, ids, weights, t0, self.cost) for d in self.devices)
+        pairs = ids.size * self.trace.meta.hidden_size * 4  # bytes of the [T, K, H] fp32 pairs
+        ms = self.cost.allreduce_ms(pairs, len(self.devices))
+        self.allreduce += ms
+        self.t = end + ms
+
+    def observe(self, layer: int, ids: np.ndarray, weights: np.ndarray, ctx: StepContext) -> None:
+        for d in self.devices:
+            d.planner.observe(layer, d.ids(ids), weights, ctx)
+
+    def result(self) -> SimResult:
+        """The simulation's result: counts summed over the devices, times of the slowest."""
+        if self.trace.num_steps:
+            self.step_ms[-1] = self.t
+        devices = self.devices
+        counters = np.sum([d.planner.state.counters for d in devices], axis=0)  # [L, C]
+        clock = _Clock(
+            stall=max(d.clock.stall for d in devices),
+            copy_busy=max(d.clock.copy_busy for d in devices),
+        )
+        capacities = np.sum([d.planner.capacities for d in devices], axis=0)  # [L]
+        result = _result(
+            self.trace,
+            PlannerStats(counters),
+            capacities,
+            self.step_ms,
+            self.history,
+            clock,
+            self.cost,
+        )
+        misses = sum(d.before.misses for d in devices)
+        seen = sum(d.before.seen for d in devices)
+        result.misses_routed_before = seen / misses if misses else 0.0
+        n = max(1, self.trace.num_steps)
+        result.devices = len(devices)
+        result.per_device = [d.figures(n) for d in devices] if len(devices) > 1 else []
+        result.allreduce_ms_per_iteration = self.allreduce / n
+        return result
 
 
 def drive(
     trace: Trace,
-    planner: Planner,
-    plan: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+    planner: Driven,
     on_step: Callable[[int, StepContext], None] | None = None,
 ) -> None:
     """Drive `planner` through every forward of `trace`: blocks ended where the block changes,
-    each MoE layer planned (by `plan(layer, ids, weights)`, default `planner.plan` with no
-    load) and then observed; `on_step(s, ctx)` before forward s is planned."""
+    each MoE layer planned (`planner.plan(layer, ids, weights)`; a Planner's with no load) and
+    then observed; `on_step(s, ctx)` before forward s is planned."""
     prev_block = None
     for s, (ctx, routing) in enumerate(trace):
         if prev_block is not None and ctx.block != prev_block:
@@ -186,23 +338,20 @@ def drive(
         if on_step is not None:
             on_step(s, ctx)
         for layer, (ids, w) in enumerate(routing):
-            if plan is None:
-                planner.plan(layer, ids, w, Load())
-            else:
-                plan(layer, ids, w)
+            planner.plan(layer, ids, w)
         for layer, (ids, w) in enumerate(routing):
             planner.observe(layer, ids, w, ctx)
 
 
 def _result(
     trace: Trace,
-    planner: Planner,
+    st: PlannerStats,
+    capacities: np.ndarray,
     step_ms: np.ndarray,
     history: np.ndarray,
     clock: _Clock,
     cost: CostModel,
 ) -> SimResult:
-    st = planner.stats
     n = max(1, trace.num_steps)
     copies = int(st.copies.sum() + st.staged.sum())
     pairs = trace.ids.shape[0] * trace.ids.shape[1] * trace.ids.shape[2]
@@ -223,7 +372,7 @@ def _result(
         ms_per_iteration=float(step_ms.mean()) if len(step_ms) else 0.0,
         p90_ms_per_iteration=float(np.percentile(step_ms, 90)) if len(step_ms) else 0.0,
         iterations=trace.num_steps,
-        capacities=list(planner.capacities),
+        capacities=capacities.tolist(),
         capacity_history=history.tolist(),
         stats=st.to_dict(),
     )

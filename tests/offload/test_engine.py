@@ -178,6 +178,21 @@ def test_memory_budget_counts_slots():
     )
 
 
+def test_a_budget_is_per_device_over_its_share():
+    """With the experts split over devices, a budget counts each device's slots over its share
+    of every layer; a share it holds whole stays resident; one too small names the share."""
+    from oled.model.config import mini_config
+
+    cfg = mini_config()  # 19 MoE layers of 256 experts
+    cpu = {"dtype": torch.bfloat16, "device": torch.device("cpu")}
+    quarter = Budget("expert_fraction", 0.25)
+    assert total_slots(quarter, cfg, **cpu, experts=128) == 19 * 32  # of a half
+    assert total_slots(quarter, cfg, **cpu) == 19 * 64
+    assert total_slots(Budget("slots_per_layer", 128), cfg, **cpu, experts=128) is None
+    with pytest.raises(ValueError, match=r"expert_budget 18 slots \(per device, over its 128"):
+        total_slots(Budget("expert_budget", 18), cfg, **cpu, experts=128)
+
+
 @pytest.fixture(scope="module")
 def reference_short_blocks(tiny_dir):
     """Resident answers with 8-token blocks: about 13 of the 32 experts per forward, so that a

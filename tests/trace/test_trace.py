@@ -27,7 +27,7 @@ from oled.policies.retention import (
 from oled.token_states import TOKEN_FIXED, TOKEN_MASKED
 from oled.trace.format import Trace
 from oled.trace.recorder import TraceRecorder
-from oled.trace.simulate import belady_bypass, belady_layer, requests, simulate
+from oled.trace.simulate import SimResult, belady_bypass, belady_layer, requests, simulate
 from oled.trace.synthetic import synthetic_trace
 
 COST = CostModel.profile("h200")
@@ -361,3 +361,62 @@ def test_a_compressed_trace_reads_as_the_plain_one(trace_file, tmp_path) -> None
         assert np.array_equal(getattr(again, name), getattr(trace, name)), name
     assert read_meta(tmp_path / "z.oledtrace") == trace.meta
     assert prompt_count(tmp_path / "z.oledtrace") == trace.meta.prompt_count
+
+
+def _split(trace: Trace, fraction: float, devices: int, anchor: str = "lru") -> SimResult:
+    """`anchor`'s simulation with `devices` devices, each at `fraction` of its share."""
+    m = trace.meta
+    share = m.num_experts // devices
+    return simulate(
+        trace,
+        **anchor_policies(anchor),
+        cost=COST,
+        total_slots=round(fraction * m.num_moe_layers * share),
+        devices=devices,
+    )
+
+
+def test_devices_of_a_simulation_miss_their_own_experts(trace_file: Path) -> None:
+    """Two devices with every expert of their share cached miss each of their experts once,
+    counted from the trace directly; together they miss what one device misses."""
+    trace = Trace.load(trace_file)
+    m = trace.meta
+    res = _split(trace, 1.0, 2)
+    owner = np.arange(m.num_experts) // (m.num_experts // 2)  # [E] device of each expert
+    distinct = [np.unique(trace.ids[layer]) for layer in range(m.num_moe_layers)]
+    first = [sum(int((owner[e] == d).sum()) for e in distinct) for d in (0, 1)]
+    assert [d["misses"] for d in res.per_device] == first
+    assert sum(first) == sum(res.stats["misses"]) == sum(_split(trace, 1.0, 1).stats["misses"])
+
+
+def test_devices_of_a_simulation_have_policies_of_their_own(trace_file: Path) -> None:
+    """Policies that cannot be copied for the second device are named; fresh ones serve."""
+    trace = Trace.load(trace_file)
+    settings = {"cost": COST, "total_slots": 3 * 8, "devices": 2}
+    with pytest.raises(ValueError, match=r"StaticHot cannot be copied .* give fresh_policies"):
+        simulate(trace, **anchor_policies("fiddler"), **settings)
+    res = simulate(
+        trace,
+        **anchor_policies("fiddler"),
+        fresh_policies=lambda: anchor_policies("fiddler"),
+        **settings,
+    )
+    assert len(res.per_device) == 2 and res.iterations == trace.num_steps
+
+
+@pytest.mark.parametrize("anchor", ["lru", "oled"])
+def test_devices_of_a_simulation_share_the_requests(trace_file: Path, anchor: str) -> None:
+    """At half of each share: the devices' requests are one device's, their misses the
+    total, the forward the slowest device's with an all-reduce per MoE layer."""
+    trace = Trace.load(trace_file)
+    m = trace.meta
+    one, two = _split(trace, 0.5, 1, anchor), _split(trace, 0.5, 2, anchor)
+    assert sum(d["requests"] for d in two.per_device) == sum(one.stats["requests"])
+    assert sum(d["misses"] for d in two.per_device) == sum(two.stats["misses"])
+    assert sum(two.capacities) == sum(one.capacities)
+    assert one.per_device == [] and one.allreduce_ms_per_iteration == 0.0
+    rows = np.diff(trace.row_offsets)  # [S] routed rows per forward
+    nbytes = rows * m.top_k * m.hidden_size * 4  # [S] one layer's pairs, fp32
+    per_forward = [m.num_moe_layers * COST.allreduce_ms(int(b), 2) for b in nbytes]
+    assert two.allreduce_ms_per_iteration == pytest.approx(np.mean(per_forward))
+    assert two.ms_per_iteration >= two.allreduce_ms_per_iteration > 0

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from oled.cli import app
+from oled.policies import ANCHORS
 from oled.trace.format import Trace
 
 
@@ -40,16 +42,34 @@ def test_record_then_simulate_every_baseline(tmp_path, tiny_dir):
     assert res.exit_code != 0 and "lfx" in res.output
 
 
-def _simulate(tmp_path, tiny_dir, runtime: str, **geometry):
-    """`oled simulate` of a synthetic trace of `geometry` with a recipe of the tiny model and
-    the `[runtime]` lines given."""
+def _simulate(tmp_path, tiny_dir, runtime: str, *args: str, **geometry):
+    """`oled simulate ARGS` of a synthetic trace of `geometry` with a recipe of the tiny model
+    and the `[runtime]` lines given."""
     from oled.trace.synthetic import synthetic_trace
 
     trace_file = tmp_path / "s.oledtrace"
     synthetic_trace(**geometry, blocks=1).save(trace_file)
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'[model]\npath = "{tiny_dir}"\n[runtime]\n{runtime}\n')
-    return CliRunner().invoke(app, ["simulate", str(trace_file), "--recipe", str(recipe)])
+    cmd = ["simulate", str(trace_file), "--recipe", str(recipe), *args]
+    return CliRunner().invoke(app, cmd, env={"COLUMNS": "200"})
+
+
+def test_simulate_splits_the_experts_over_devices(tmp_path, tiny_dir):
+    """`--devices 2`: each device's misses per forward beside their total; an expert count
+    that does not split is named."""
+    geometry = {"num_layers": 3, "num_experts": 32, "top_k": 4}
+    runtime = 'budget = { expert_fraction = 0.5 }\ncost = "cpu-ci"'
+    res = _simulate(tmp_path, tiny_dir, runtime, "--devices", "2", "--baselines", **geometry)
+    assert res.exit_code == 0, res.output
+    assert "2 devices" in res.output and "per device" in res.output
+    rows = [line for line in res.output.splitlines() if line.startswith("│")]
+    assert len(rows) == 1 + len(ANCHORS)  # the recipe and every baseline, fiddler's too
+    for row in rows:
+        total, each = (cell.strip() for cell in row.split("│")[2:4])
+        assert float(total) == pytest.approx(sum(map(float, each.split(" / "))), abs=0.1)
+    res = _simulate(tmp_path, tiny_dir, runtime, "--devices", "3", **geometry)
+    assert res.exit_code == 2 and "32 experts per layer do not split evenly over 3" in res.output
 
 
 def test_simulate_needs_a_slot_budget(tmp_path, tiny_dir):
