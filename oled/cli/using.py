@@ -21,6 +21,7 @@ from oled.cli.options import (
     KernelsOpt,
     MaxTokensOpt,
     ModelOpt,
+    PrefillChunkOpt,
     RecipeOpt,
     SeedOpt,
     StepsOpt,
@@ -156,6 +157,7 @@ def serve(
             "Retry-After (default: the recipe's runtime.max_queue, else 64; 0: none wait).",
         ),
     ] = None,
+    prefill_chunk: PrefillChunkOpt = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
     from oled.serve.server import run_server, served_name
@@ -177,6 +179,7 @@ def serve(
         max_tokens_flag="--default-max-tokens",
         max_batch=max_batch,
         max_queue=max_queue,
+        prefill_chunk=prefill_chunk,
     )
     run_server(
         spec,
