@@ -89,3 +89,22 @@ def run_replay(
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     return rt.last_stats, rt.offload_summary(), tokens
+
+
+def run_batch(
+    rt: Runtime,
+    prompts: Sequence[list[int]],
+    decode: DecodeConfig,
+    observers: Sequence[DecodeObserver] = (),
+) -> Generation:
+    """The prompts decoded together in one batch (oled.decoding.batch), every prompt taken in
+    its first forward, so that the forwards after it are steady decoding iterations: the first
+    stream's statistics and tokens, the offload engine's figures."""
+    dec = rt.batch_decoder(len(prompts), block_length=decode.block_length, prefill_chunk=0)
+    dec.observers += observers
+    streams = [dec.add(p, decode) for p in prompts]
+    while dec.busy:
+        dec.step()
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    return streams[0].stats, rt.offload_summary(), streams[0].generated
