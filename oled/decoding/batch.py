@@ -101,6 +101,7 @@ class Layout:
     steps: Tensor | None  # [D, 1] int64: `cfg.steps` (0: none); None when no stream has steps
     strict: Tensor  # [D, 1] bool
     threshold: Tensor  # [D, 1] float32
+    sampled: bool  # some decoding stream samples (temperature > 0)
     cached: list[tuple[Stream, int]]  # streams with prefix rows: what they hold after it
     prefill: int  # rows of prompts not yet decoding
     running: int  # decoding streams that decoded in an earlier forward too
@@ -236,26 +237,32 @@ class BatchDecoder:
         t0 = time.perf_counter()
         logits = self._forward(lay)  # [D * L, V]: each decoding stream's block rows, in order
         commits: Commits | None = None
-        ended: list[bool] = []
-        blocks: list[list[int]] = []
+        ended: list[tuple[int, list[int]]] = []
         if lay.decoding:
             with stage("decode step"):
                 commits = self._commit(lay, logits)
-                ended, blocks = self._fetch(commits)  # the step's one host sync
+                ended = self._fetch(commits)  # the step's one host sync
         seconds = time.perf_counter() - t0
         self.last = ForwardFigures(1000 * seconds, len(lay.streams), lay.running, lay.prefill)
         self._ms.append(1000 * seconds)
         if self.observers:  # what they see (nobody else needs it: a batch of copies saved)
             self._observed(lay, commits, logits, seconds)
         self.forwards += 1
-        if lay.cached:  # prefix rows ran: the next forward is laid out anew
+        return events + self._advance(lay, commits, ended)
+
+    def _advance(
+        self, lay: Layout, commits: Commits | None, ended: list[tuple[int, list[int]]]
+    ) -> list[StreamEvent]:
+        """After a forward: the prefixes it cached (the next forward is laid out anew), then
+        the blocks it ended (their row among the decoding streams, their tokens)."""
+        if lay.cached:
             self._relayout()
             for s, cached in lay.cached:
                 s.cached = cached
-        for d in (d for d, e in enumerate(ended) if e):
-            assert commits is not None
-            events.append(self._finish_block(lay.decoding[d], blocks[d], commits.block[d]))
-        return events
+        if not ended:
+            return []
+        assert commits is not None
+        return [self._finish_block(lay.decoding[d], t, commits.block[d]) for d, t in ended]
 
     def _lay_out(self) -> Layout:
         """The next forward's rows: every decoding stream's pending prefix and block; the
@@ -326,6 +333,7 @@ class BatchDecoder:
             steps=ints[3, :, None] if any(c.steps for c in cfgs) else None,
             strict=ints[4, :, None].bool(),
             threshold=thresholds.to(self.device)[:, None],
+            sampled=any(c.temperature for c in cfgs),
             cached=cached,
             prefill=joining[0],
             running=len(dec) - joining[1],
@@ -372,7 +380,7 @@ class BatchDecoder:
         """(confidence, token) [D, L] of each decoding stream from its logits [D, L, V]: one
         softmax for all when every one is greedy; a sampling stream draws from its own
         generator (its single-request draws)."""
-        if all(not s.cfg.temperature for s in lay.decoding):
+        if not lay.sampled:
             return _confidence(logits, 0.0, None)
         pairs = [
             _confidence(lg, s.cfg.temperature, s.gen)
@@ -381,13 +389,14 @@ class BatchDecoder:
         return torch.stack([c for c, _ in pairs]), torch.stack([t for _, t in pairs])
 
     @staticmethod
-    def _fetch(commits: Commits) -> tuple[list[bool], list[list[int]]]:
-        """Which blocks ended and every block's tokens, in one copy to the host."""
-        d = commits.ended.shape[0]
+    def _fetch(commits: Commits) -> list[tuple[int, list[int]]]:
+        """The blocks that ended (their row among the decoding streams, their tokens), from
+        one copy to the host of every block's flag and tokens."""
+        d, bl = commits.block.shape
         host = torch.cat([commits.ended.long(), commits.block.flatten()]).tolist()
-        blocks = host[d:]
-        bl = len(blocks) // d
-        return [bool(e) for e in host[:d]], [blocks[i * bl : (i + 1) * bl] for i in range(d)]
+        if not any(host[:d]):
+            return []
+        return [(i, host[d + i * bl : d + (i + 1) * bl]) for i in range(d) if host[i]]
 
     def _observed(
         self, lay: Layout, commits: Commits | None, logits: Tensor, seconds: float

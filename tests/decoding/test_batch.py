@@ -251,6 +251,22 @@ def test_chunked_prefill_equals_unchunked(resident_fp32, chunk):
     assert dec.prefill_chunk == chunk
 
 
+def test_offloaded_chunked_prefill_equals_single_requests():
+    """Prompt-only rows reach the offload policies as fixed tokens; the answers hold."""
+    rt = build_runtime(
+        device="cpu",
+        dtype="float32",
+        budget=Budget("expert_fraction", 0.25),
+        **anchor_policies("oled"),
+    )
+    long = rt.tokenizer.encode("KING HENRY: Once more unto the breach, dear friends. " * 8)
+    ids = [rt.tokenizer.encode(PROMPTS[0]), long, rt.tokenizer.encode(PROMPTS[2])]
+    cfg = DecodeConfig(max_new_tokens=24)
+    alone = [single(rt, p, cfg) for p in ids]
+    out, _ = batched(rt, ids, cfg, max_batch=3, join_at=1, prefill_chunk=32)
+    assert [out[k] for k in range(3)] == alone
+
+
 def test_chunked_prefill_alone_equals_single_request_in_bf16(resident):
     rt = resident
     long = rt.tokenizer.encode("JULIET: O Romeo, Romeo, wherefore art thou Romeo? " * 16)
