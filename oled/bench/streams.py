@@ -10,10 +10,11 @@ compared with them. Every row runs `runs` timed passes over the pool after its w
 Per row: aggregate tokens/s (all tokens over the time the groups took; the median pass and
 the range of the passes), per-request tokens/s (its tokens over its own time from arrival),
 time to first token (from its arrival to the first streamed block with answer tokens), p50 and
-p90, the running streams' slowdown while prompts join (the mean forward that carried a joining
-prompt's rows beside running streams, over the median forward that carried none), and expert
-copies per generated token. With `profile`: device time per forward stage (CUDA) and host time
-per stage and per forward, from a few steady forwards of N streams (oled.bench.profile).
+p90, the running streams' slowdown while prompts join (each forward that carried a joining
+prompt's rows beside running streams over the median forward of as many streams that carried
+none, averaged), and expert copies per generated token. With `profile`: device time per
+forward stage (CUDA) and host time per stage and per forward, from a few steady forwards of N
+streams (oled.bench.profile).
 """
 
 from __future__ import annotations
@@ -232,17 +233,23 @@ def _row(
 
 
 def _joins(forwards: list[ForwardFigures]) -> dict[str, Any]:
-    """How joining prompts slow the running streams: the forwards that carried a joining
-    prompt's rows beside running streams, against those that carried no prompt rows."""
-    joins = [f.ms for f in forwards if f.prefill and f.running]
-    plain = [f.ms for f in forwards if not f.prefill]
-    base = statistics.median(plain) if plain else None
+    """How joining prompts slow the running streams: each forward that carried a joining
+    prompt's rows beside running streams, against the median forward of as many streams that
+    carried no prompt rows (the running streams' slowdown: the mean of those ratios)."""
+    joins = [f for f in forwards if f.prefill and f.running]
+    plain: dict[int, list[float]] = {}
+    for f in forwards:
+        if not f.prefill:
+            plain.setdefault(f.streams, []).append(f.ms)
+    base = {n: statistics.median(ms) for n, ms in plain.items()}
+    ratios = [f.ms / base[f.running] for f in joins if base.get(f.running)]
+    every = [ms for ms in plain.values() for ms in ms]
     return {
         "join_forwards": len(joins),
-        "join_forward_ms_mean": statistics.fmean(joins) if joins else None,
-        "join_forward_ms_max": max(joins) if joins else None,
-        "plain_forward_ms_p50": base,
-        "running_slowdown": statistics.fmean(joins) / base if joins and base else None,
+        "join_forward_ms_mean": statistics.fmean(f.ms for f in joins) if joins else None,
+        "join_forward_ms_max": max(f.ms for f in joins) if joins else None,
+        "plain_forward_ms_p50": statistics.median(every) if every else None,
+        "running_slowdown": statistics.fmean(ratios) if ratios else None,
     }
 
 
