@@ -98,7 +98,9 @@ def _profiled(
     window = _ProfileWindow(first=1, count=iterations, device=device)
     try:
         if batch is not None:
-            _, off, _ = run_batch(rt, batch, decode or rt.decode, [window])
+            dec = rt.batch_decoder(len(batch), prefill_chunk=0)  # every prompt in forward 0
+            run_batch(rt, dec, batch, decode or rt.decode)  # its graphs are captured here
+            _, off, _ = run_batch(rt, dec, batch, decode or rt.decode, [window])
         elif replay is not None:
             _, off, _ = run_replay(rt, *replay, [window])
         else:
@@ -117,11 +119,16 @@ class _ProfileWindow(DecodeObserver):
 
         self.first, self.count, self.seen, self.running = first, count, 0, False
         self.seconds, self._t0 = 0.0, 0.0  # wall time of the profiled iterations
+        self.base: int | None = None  # the generation's first step (a batch counts on)
         activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * device
         self.profiler = profile(activities=activities)
 
+    def on_generation_start(self, prompt_length: int) -> None:
+        self.base = None
+
     def on_iteration_start(self, block: int, iteration: int, step: int) -> None:
-        if step == self.first:
+        self.base = step if self.base is None else self.base
+        if step - self.base == self.first and not self.seen:
             annotate(True)
             self.profiler.start()
             self.running, self._t0 = True, time.perf_counter()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from oled.decoding import DecodeConfig, DecodeObserver, GenerationStats
+from oled.decoding.batch import BatchDecoder
 from oled.decoding.follow import Trajectory
 from oled.runtime import Runtime
 from oled.trace.replay import RoutingTrace
@@ -93,18 +94,21 @@ def run_replay(
 
 def run_batch(
     rt: Runtime,
+    dec: BatchDecoder,
     prompts: Sequence[list[int]],
     decode: DecodeConfig,
     observers: Sequence[DecodeObserver] = (),
 ) -> Generation:
-    """The prompts decoded together in one batch (oled.decoding.batch), every prompt taken in
-    its first forward, so that the forwards after it are steady decoding iterations: the first
-    stream's statistics and tokens, the offload engine's figures."""
-    dec = rt.batch_decoder(len(prompts), block_length=decode.block_length, prefill_chunk=0)
+    """The prompts decoded together by `dec` (a batch decoder of `rt`, oled.decoding.batch),
+    with `observers` watching: the first stream's statistics and tokens, the offload engine's
+    figures."""
     dec.observers += observers
-    streams = [dec.add(p, decode) for p in prompts]
-    while dec.busy:
-        dec.step()
+    try:
+        streams = [dec.add(p, decode) for p in prompts]
+        while dec.busy:
+            dec.step()
+    finally:
+        del dec.observers[len(dec.observers) - len(observers) :]
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     return streams[0].stats, rt.offload_summary(), streams[0].generated

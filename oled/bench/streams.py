@@ -97,10 +97,11 @@ def bench_streams(
         if n == 1:
             passes, extra = singles, {}
         else:
+            dec = rt.batch_decoder(n, block_length=decode.block_length)  # one for all passes
             for _ in range(cfg.warmup_runs):  # its graphs are captured here
-                _batched(rt, pool[:n], decode, n)
+                _batched(rt, dec, pool[:n], decode)
             before = _captures(rt)
-            passes = [_batched(rt, pool, decode, n) for _ in range(cfg.runs)]
+            passes = [_batched(rt, dec, pool, decode) for _ in range(cfg.runs)]
             extra = {"graph_captures": _captures(rt) - before}
         row = _row(label, n, passes, reference) | extra
         rows.append(row | _profile(rt, cfg, pool[:n], decode))
@@ -134,11 +135,10 @@ def _single(rt: Runtime, pool: list[list[int]], decode: DecodeConfig) -> Pass:
     return out
 
 
-def _batched(rt: Runtime, pool: list[list[int]], decode: DecodeConfig, n: int) -> Pass:
-    """The pool in groups of n, each decoded as one batch that its requests join one forward
-    apart."""
-    dec = rt.batch_decoder(n, block_length=decode.block_length)
-    out = Pass()
+def _batched(rt: Runtime, dec: BatchDecoder, pool: list[list[int]], decode: DecodeConfig) -> Pass:
+    """The pool in groups of `dec.max_batch`, each decoded as one batch that its requests join
+    one forward apart."""
+    out, n = Pass(), dec.max_batch
     for g in track(range(0, len(pool), n), f"{n} streams"):
         t0 = time.perf_counter()
         arriving = deque(Request(p) for p in pool[g : g + n])
@@ -243,7 +243,7 @@ def _joins(forwards: list[ForwardFigures]) -> dict[str, Any]:
             plain.setdefault(f.streams, []).append(f.ms)
     base = {n: statistics.median(ms) for n, ms in plain.items()}
     ratios = [f.ms / base[f.running] for f in joins if base.get(f.running)]
-    every = [ms for ms in plain.values() for ms in ms]
+    every = [t for ms in plain.values() for t in ms]
     return {
         "join_forwards": len(joins),
         "join_forward_ms_mean": statistics.fmean(f.ms for f in joins) if joins else None,
