@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -130,7 +130,8 @@ class ForwardFigures:
 
 @dataclass(frozen=True)
 class Commits:
-    """A batched commit step's device tensors, decoding streams in row order."""
+    """A batched commit step's tensors, decoding streams in row order (on the device; the
+    step's one host copy brings what the host needs of them)."""
 
     masked: Tensor  # [D, L] bool: open when the forward ran
     committed: Tensor  # [D, L] bool
@@ -236,33 +237,29 @@ class BatchDecoder:
         self._emit("on_iteration_start", self.blocks_begun, 0, self.forwards)
         t0 = time.perf_counter()
         logits = self._forward(lay)  # [D * L, V]: each decoding stream's block rows, in order
-        commits: Commits | None = None
-        ended: list[tuple[int, list[int]]] = []
+        commits: Commits | None = None  # on the host
         if lay.decoding:
             with stage("decode step"):
-                commits = self._commit(lay, logits)
-                ended = self._fetch(commits)  # the step's one host sync
+                commits = self._fetch(self._commit(lay, logits))  # the step's one host sync
         seconds = time.perf_counter() - t0
         self.last = ForwardFigures(1000 * seconds, len(lay.streams), lay.running, lay.prefill)
         self._ms.append(1000 * seconds)
         if self.observers:  # what they see (nobody else needs it: a batch of copies saved)
             self._observed(lay, commits, logits, seconds)
         self.forwards += 1
-        return events + self._advance(lay, commits, ended)
+        return events + self._advance(lay, commits)
 
-    def _advance(
-        self, lay: Layout, commits: Commits | None, ended: list[tuple[int, list[int]]]
-    ) -> list[StreamEvent]:
+    def _advance(self, lay: Layout, commits: Commits | None) -> list[StreamEvent]:
         """After a forward: the prefixes it cached (the next forward is laid out anew), then
-        the blocks it ended (their row among the decoding streams, their tokens)."""
+        the blocks it ended (`commits` on the host)."""
         if lay.cached:
             self._relayout()
             for s, cached in lay.cached:
                 s.cached = cached
-        if not ended:
+        if commits is None:
             return []
-        assert commits is not None
-        return [self._finish_block(lay.decoding[d], t, commits.block[d]) for d, t in ended]
+        ended = commits.ended.nonzero().flatten().tolist()  # [] but at a block's end
+        return [self._finish_block(lay.decoding[d], commits.block[d]) for d in ended]
 
     def _lay_out(self) -> Layout:
         """The next forward's rows: every decoding stream's pending prefix and block; the
@@ -388,15 +385,19 @@ class BatchDecoder:
         ]
         return torch.stack([c for c, _ in pairs]), torch.stack([t for _, t in pairs])
 
-    @staticmethod
-    def _fetch(commits: Commits) -> list[tuple[int, list[int]]]:
-        """The blocks that ended (their row among the decoding streams, their tokens), from
-        one copy to the host of every block's flag and tokens."""
-        d, bl = commits.block.shape
-        host = torch.cat([commits.ended.long(), commits.block.flatten()]).tolist()
-        if not any(host[:d]):
-            return []
-        return [(i, host[d + i * bl : d + (i + 1) * bl]) for i in range(d) if host[i]]
+    def _fetch(self, commits: Commits) -> Commits:
+        """The commit step on the host, in one copy: which blocks ended and their tokens, and
+        for the observers the open positions, commits and confidences."""
+        parts = [commits.ended[:, None], commits.block]  # [D, 1], [D, L]
+        if self.observers:
+            parts += [commits.masked, commits.committed, commits.confidence]  # [D, L] each
+        host = torch.cat([p.double() for p in parts], dim=1).cpu()  # [D, 1 + L (+ 3 L)]
+        bl = self.block_length
+        ended, block = host[:, 0].bool(), host[:, 1 : 1 + bl].long()  # [D], [D, L]
+        if not self.observers:
+            return replace(commits, ended=ended, block=block)
+        masked, committed, confidence = host[:, 1 + bl :].split(bl, dim=1)  # [D, L] each
+        return Commits(masked.bool(), committed.bool(), confidence.float(), block, ended)
 
     def _observed(
         self, lay: Layout, commits: Commits | None, logits: Tensor, seconds: float
@@ -445,7 +446,7 @@ class BatchDecoder:
             iteration=self.forwards - s.began,
             step=step,
             block_start=s.start,
-            tokens=commits.block[d].clone(),
+            tokens=commits.block[d],
             masked=masked,
             confidence=torch.where(masked, commits.confidence[d], 1.0),
             committed=commits.committed[d],
@@ -502,20 +503,19 @@ class BatchDecoder:
         assert self.cache is not None  # reserved on admission
         return min(keys, self.cache.max_len)
 
-    def _finish_block(self, s: Stream, tokens: list[int], block: Tensor) -> StreamEvent:
-        """Stream `s`'s block has no open position left (its `tokens`; `block` [L] on the
-        device): its answer tokens, then its next block or its end."""
+    def _finish_block(self, s: Stream, block: Tensor) -> StreamEvent:
+        """Stream `s`'s block has no open position left (`block` [L], its tokens on the host):
+        its answer tokens, then its next block or its end."""
         self._relayout()
         cfg = s.cfg
-        new, stop_at = block_answer(
-            tokens, len(s.prompt) - s.start, cfg.max_new_tokens - len(s.generated), self.stop_ids
-        )
+        room = cfg.max_new_tokens - len(s.generated)
+        new, stop_at = block_answer(block.tolist(), len(s.prompt) - s.start, room, self.stop_ids)
         s.generated += new
         s.stats.new_tokens, s.stats.blocks = len(s.generated), s.block + 1
         info = BlockInfo(
             block=s.block,
             block_start=s.start,
-            tokens=block.clone(),
+            tokens=block,
             new_tokens=new,
             iterations=self.forwards - s.began,
         )
