@@ -294,3 +294,19 @@ def test_prefill_budget_shares_forwards_with_running_streams(resident):
     assert joining.stats.iterations < dec.forwards - 1
     with pytest.raises(ValueError, match="prefill_chunk"):
         rt.batch_decoder(2, prefill_chunk=-1)
+
+
+def test_steady_forwards_reuse_their_layout(resident):
+    """Within blocks the host lays out nothing: a forward's rows are laid out again only when
+    a stream joins, leaves, ends a block or has prefix rows pending."""
+    rt = resident
+    cfg = DecodeConfig(max_new_tokens=64, threshold=1.0)  # one commit a forward
+    dec = rt.batch_decoder(2)
+    for p in PROMPTS[:2]:
+        dec.add(rt.tokenizer.encode(p), cfg)
+    layouts = []
+    while dec.busy:
+        dec.step()
+        layouts.append(dec._layout)
+    laid_out = len({id(lay) for lay in layouts if lay is not None})
+    assert dec.forwards > 4 * laid_out  # 2 streams x 2-3 blocks, ~64 forwards
