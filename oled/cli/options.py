@@ -128,8 +128,8 @@ PrefillChunkOpt = Annotated[
     int | None,
     typer.Option(
         "--prefill-chunk",
-        help="A joining prompt's tokens per batched forward, in whole blocks, so running "
-        "streams keep decoding while it is taken in (0: the whole prompt in one forward; "
+        help="A prompt's tokens per batched forward while other requests decode, in whole "
+        "blocks, so they keep decoding while it is taken in (0: the whole prompt in one forward; "
         f"default: the recipe's runtime.prefill_chunk, else {RUNTIME.prefill_chunk}).",
     ),
 ]

@@ -13,9 +13,10 @@ back which blocks ended with every block's tokens. The host lays out a forward's
 the batch changes (a stream joins, leaves, ends a block or has prefix rows pending); steady
 iterations reuse the last layout.
 
-With `prefill_chunk` > 0, a joining prompt's prefix enters the running batch's forwards in
+With `prefill_chunk` > 0, a prompt joining a batch that is decoding enters its forwards in
 chunks of whole blocks under that per-forward budget of prompt tokens, instead of in one
-forward that every running stream waits for; a stream decodes once its prefix is cached.
+forward that every running stream waits for (a prompt that finds no stream decoding is taken
+whole); a stream decodes once its prefix is cached.
 Block-causal attention makes this the same function (a chunk ends on a block boundary), so the
 answers are the unchunked ones.
 """
@@ -262,10 +263,11 @@ class BatchDecoder:
         return [self._finish_block(lay.decoding[d], commits.block[d]) for d in ended]
 
     def _lay_out(self) -> Layout:
-        """The next forward's rows: every decoding stream's pending prefix and block; the
-        prompts not yet decoding take their prefix in whole blocks while the forward's prompt
-        budget (`prefill_chunk`) lasts, with their block once the rest fits."""
-        left = self.prefill_chunk
+        """The next forward's rows: every decoding stream's pending prefix and block; while
+        some stream decodes, the prompts not yet decoding take their prefix in whole blocks as
+        long as the forward's prompt budget (`prefill_chunk`) lasts, with their block once the
+        rest fits (with none decoding, nobody waits: every prompt is taken whole)."""
+        left = self.prefill_chunk if any(s.decoding for s in self.active) else None
         streams, lengths, skips, cached, prefill, joined = [], [], [], [], 0, 0
         for s in self.active:
             pending = s.start - s.cached

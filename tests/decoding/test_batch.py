@@ -241,8 +241,8 @@ def test_chunked_prefill_equals_unchunked(resident_fp32, chunk):
     changes (so batches match single requests only to rounding, as on CUDA)."""
     rt = resident_fp32
     long = rt.tokenizer.encode("JULIET: O Romeo, Romeo, wherefore art thou Romeo? " * 16)
-    ids = [rt.tokenizer.encode(PROMPTS[1]), long, rt.tokenizer.encode(PROMPTS[3]), long[:70]]
-    assert len(long) > 3 * chunk
+    ids = [rt.tokenizer.encode(PROMPTS[1]), rt.tokenizer.encode(PROMPTS[3]), long, long[:70]]
+    assert len(long) > 3 * chunk  # it joins the first two while they decode
     cfg = DecodeConfig(max_new_tokens=40)
     whole, _ = batched(rt, ids, cfg, max_batch=4, join_at=2, prefill_chunk=0)
     out, dec = batched(rt, ids, cfg, max_batch=4, join_at=2, prefill_chunk=chunk)
@@ -267,12 +267,17 @@ def test_offloaded_chunked_prefill_equals_single_requests():
     assert [out[k] for k in range(3)] == alone
 
 
-def test_chunked_prefill_alone_equals_single_request_in_bf16(resident):
+def test_a_prompt_joining_an_idle_batch_is_taken_whole(resident):
     rt = resident
     long = rt.tokenizer.encode("JULIET: O Romeo, Romeo, wherefore art thou Romeo? " * 16)
     cfg = DecodeConfig(max_new_tokens=40)
-    out, _ = batched(rt, [long], cfg, max_batch=1, join_at=0, prefill_chunk=32)
-    assert out[0] == single(rt, long, cfg)
+    dec = rt.batch_decoder(2, prefill_chunk=32)
+    stream = dec.add(long, cfg)
+    dec.step()
+    assert dec.last.prefill == len(long) // 32 * 32 and stream.decoding  # nobody to wait
+    while dec.busy:
+        dec.step()
+    assert stream.generated == single(rt, long, cfg)
 
 
 def test_prefill_budget_shares_forwards_with_running_streams(resident):
