@@ -5,7 +5,9 @@ file's), N at a time: the requests of a group arrive one forward apart, so each 
 first joins a batch that is already decoding, and the group's batch runs until all of them
 end. The one-stream row is the single-request path (`Runtime.stream`), one request after
 another; its tokens are every request's reference, and each batched request's tokens are
-compared with them. Every row runs `runs` timed passes over the pool after its warm-up.
+compared with them. Every row runs `runs` timed passes over the pool after its warm-up passes
+(`warmup_runs`; a batched row's over the whole pool, so that every shape's graphs are captured
+there).
 
 Per row: aggregate tokens/s (all tokens over the time the groups took; the median pass and
 the range of the passes), per-request tokens/s (its tokens over its own time from arrival),
@@ -98,8 +100,8 @@ def bench_streams(
             passes, extra = singles, {}
         else:
             dec = rt.batch_decoder(n, block_length=decode.block_length)  # one for all passes
-            for _ in range(cfg.warmup_runs):  # its graphs are captured here
-                _batched(rt, dec, pool[:n], decode)
+            for _ in range(cfg.warmup_runs):  # its graphs are captured here (every shape)
+                _batched(rt, dec, pool, decode)
             before = _captures(rt)
             passes = [_batched(rt, dec, pool, decode) for _ in range(cfg.runs)]
             extra = {"graph_captures": _captures(rt) - before}
