@@ -14,7 +14,8 @@ the range of the passes), per-request tokens/s (its tokens over its own time fro
 time to first token (from its arrival to the first streamed block with answer tokens), p50 and
 p90, the running streams' slowdown while prompts join (each forward that carried a joining
 prompt's rows beside running streams over the median forward of as many streams that carried
-none, averaged), and expert copies per generated token. With `profile`: device time per
+none, averaged) and their stall (what those forwards took beyond that median, per joining
+prompt), and expert copies per generated token. With `profile`: device time per
 forward stage (CUDA) and host time per stage and per forward, from a few steady forwards of N
 streams (oled.bench.profile).
 """
@@ -68,6 +69,7 @@ class Pass:
     copies: float = 0.0
     seconds: float = 0.0
     forwards: list[ForwardFigures] = field(default_factory=list)
+    joins: int = 0  # requests that joined a batch with streams decoding
 
     @property
     def tokens(self) -> int:
@@ -144,6 +146,7 @@ def _batched(rt: Runtime, dec: BatchDecoder, pool: list[list[int]], decode: Deco
     for g in track(range(0, len(pool), n), f"{n} streams"):
         t0 = time.perf_counter()
         arriving = deque(Request(p) for p in pool[g : g + n])
+        out.joins += len(arriving) - 1  # the first finds the batch idle
         while arriving or dec.busy:
             if arriving:  # the next request arrives before this forward
                 r = arriving.popleft()
@@ -227,31 +230,33 @@ def _row(
         "request_tokens_per_second": sum(per_request) / len(per_request) if per_request else 0.0,
         "ttft_ms_p50": p50,
         "ttft_ms_p90": p90,
-        **_joins([f for p in passes for f in p.forwards]),
+        **_joins([f for p in passes for f in p.forwards], sum(p.joins for p in passes)),
         "copies": sum(p.copies for p in passes),
         "copies_per_token": sum(p.copies for p in passes) / tokens if tokens else 0.0,
         "equal": equal,
     }
 
 
-def _joins(forwards: list[ForwardFigures]) -> dict[str, Any]:
-    """How joining prompts slow the running streams: each forward that carried a joining
-    prompt's rows beside running streams, against the median forward of as many streams that
-    carried no prompt rows (the running streams' slowdown: the mean of those ratios)."""
-    joins = [f for f in forwards if f.prefill and f.running]
+def _joins(forwards: list[ForwardFigures], joins: int) -> dict[str, Any]:
+    """How `joins` prompts joining running streams slowed them: each forward that carried a
+    joining prompt's rows beside running streams, against the median forward of as many
+    streams that carried no prompt rows (the running streams' slowdown: the mean of those
+    ratios; the stall: the milliseconds those forwards took beyond it, per joining prompt)."""
+    carried = [f for f in forwards if f.prefill and f.running]
     plain: dict[int, list[float]] = {}
     for f in forwards:
         if not f.prefill:
             plain.setdefault(f.streams, []).append(f.ms)
     base = {n: statistics.median(ms) for n, ms in plain.items()}
-    ratios = [f.ms / base[f.running] for f in joins if base.get(f.running)]
+    judged = [(f.ms, base[f.running]) for f in carried if base.get(f.running)]
     every = [t for ms in plain.values() for t in ms]
     return {
-        "join_forwards": len(joins),
-        "join_forward_ms_mean": statistics.fmean(f.ms for f in joins) if joins else None,
-        "join_forward_ms_max": max(f.ms for f in joins) if joins else None,
+        "join_forwards": len(carried),
+        "join_forward_ms_mean": statistics.fmean(f.ms for f in carried) if carried else None,
+        "join_forward_ms_max": max(f.ms for f in carried) if carried else None,
         "plain_forward_ms_p50": statistics.median(every) if every else None,
-        "running_slowdown": statistics.fmean(ratios) if ratios else None,
+        "running_slowdown": statistics.fmean(ms / b for ms, b in judged) if judged else None,
+        "stall_ms_per_join": sum(ms - b for ms, b in judged) / joins if judged and joins else None,
     }
 
 
@@ -271,6 +276,7 @@ def streams_table(rows: list[dict[str, Any]]) -> Table:
         "fwd ms p50",
         "join fwd ms",
         "running slowdown",
+        "stall ms/join",
         "copies/token",
         "= 1 stream",
     ]
@@ -290,6 +296,7 @@ def streams_table(rows: list[dict[str, Any]]) -> Table:
             fmt(r.get("plain_forward_ms_p50"), "{:.2f}"),
             fmt(r.get("join_forward_ms_mean"), "{:.2f}"),
             fmt(r.get("running_slowdown"), "{:.2f}x"),
+            fmt(r.get("stall_ms_per_join"), "{:.1f}"),
             f"{r['copies_per_token']:.1f}",
             f"{r['equal']}/{r['requests']}",
         )

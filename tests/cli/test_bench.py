@@ -575,6 +575,7 @@ def test_bench_streams_passes_joins_and_profile(tiny_dir, tmp_path):
         assert row["ttft_ms_p90"] >= row["ttft_ms_p50"] > 0
         assert row["host_ms_per_iteration"]["iteration"] > 0
     assert three["join_forwards"] > 0 and three["running_slowdown"] > 0
+    assert three["stall_ms_per_join"] is not None
     assert one["join_forwards"] == 0 and one["running_slowdown"] is None
 
 
