@@ -150,6 +150,7 @@ class Runtime:
         kernels: str = "auto",
         costs: dict[str, Any] | None = None,
         threads: ThreadChoice | None = None,
+        prefill_chunk: int = 0,
     ) -> None:
         fused_kernels.check(kernels, device)
         self.costs = costs  # where the decisions' cost model comes from, and its figures
@@ -160,6 +161,7 @@ class Runtime:
         self.device = device
         self.executor = executor
         self.decode = decode
+        self.prefill_chunk = prefill_chunk  # a batch's prompt rows per forward (0: all at once)
         self.observers = list(observers)
         checkpoint.model.set_executor(executor)
         self.last_stats = GenerationStats()
@@ -235,10 +237,18 @@ class Runtime:
         finally:
             self.last_stats = decoder.stats
 
-    def batch_decoder(self, max_batch: int, *, block_length: int | None = None) -> BatchDecoder:
+    def batch_decoder(
+        self,
+        max_batch: int,
+        *,
+        block_length: int | None = None,
+        prefill_chunk: int | None = None,
+    ) -> BatchDecoder:
         """A decoder of up to `max_batch` generations at once (oled.decoding.batch) on this
         runtime's forwards (graphed on CUDA), experts and observers; its streams use block
-        length `block_length` (the decode config's by default)."""
+        length `block_length` (the decode config's by default) and a joining prompt enters in
+        chunks of `prefill_chunk` tokens a forward (runtime.prefill_chunk by default; 0: in
+        one forward)."""
         fused_kernels.use(self.kernels)
         return BatchDecoder(
             self.model,
@@ -248,6 +258,7 @@ class Runtime:
             forward=self.forward,
             max_batch=max_batch,
             block_length=block_length or self.decode.block_length,
+            prefill_chunk=self.prefill_chunk if prefill_chunk is None else prefill_chunk,
         )
 
     def routing_replay(self, trace: RoutingTrace | RoutingReplay) -> RoutingReplay:
@@ -433,6 +444,7 @@ def build(spec: RuntimeSpec | Recipe, *, progress: bool = False) -> Runtime:
         "graphs": rt.cuda_graphs,
         "kernels": rt.kernels,
         "threads": threads,
+        "prefill_chunk": rt.prefill_chunk,
     }
     check_codec(rt.transfer, torch_dtype)
     fused_kernels.check(rt.kernels, dev)

@@ -2,23 +2,27 @@
 
 A few iterations of one extra generation run under the torch profiler with the stage ranges of
 oled.model.stages annotated; every kernel and copy counts for the innermost stage that launched
-it.
+it. With `batch`, the generation is a batch of those prompts decoded together (one forward an
+iteration for all of them, `oled bench --streams --profile`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 from torch.autograd.profiler_util import FunctionEvent
 
-from oled.bench.runs import run_once, run_replay
+from oled.bench.runs import run_batch, run_once, run_replay
 from oled.decoding import DecodeConfig, DecodeObserver, IterationInfo, Trajectory
+from oled.decoding.observers import BatchIterationInfo
 from oled.model.stages import STAGES, annotate
 from oled.runtime import Runtime
 from oled.trace.replay import RoutingTrace
 
 Replay = tuple[RoutingTrace, int]  # a trace and the index of the prompt to replay
+Batch = Sequence[list[int]]  # prompts decoded together
 
 
 def stage_breakdown(
@@ -28,6 +32,7 @@ def stage_breakdown(
     iterations: int = 3,
     follow: Trajectory | None = None,
     replay: Replay | None = None,
+    batch: Batch | None = None,
 ) -> dict[str, float]:
     """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
     iterations (after the prompt's) of one extra eager generation under the profiler: every
@@ -38,7 +43,9 @@ def stage_breakdown(
 
     graphed, rt.forward = rt.forward, EagerForward(rt.model)
     try:
-        window, off = _profiled(rt, prompt, decode, iterations, follow, device=True, replay=replay)
+        window, off = _profiled(
+            rt, prompt, decode, iterations, follow, device=True, replay=replay, batch=batch
+        )
     finally:
         rt.forward = graphed
     totals = _stage_device_us(window.profiler.events())
@@ -56,16 +63,21 @@ def host_breakdown(
     iterations: int = 3,
     follow: Trajectory | None = None,
     replay: Replay | None = None,
+    batch: Batch | None = None,
 ) -> dict[str, float]:
     """Host milliseconds per iteration of each stage range (inclusive: `copies` lies inside
-    `host decision`) and of each CUDA API call (cudaGraphLaunch, cudaMemcpyAsync, ...), from a
-    few iterations of one more generation run as the runtime runs it (graphs kept) under a
-    CPU-only profiler: where the host path spends its time."""
-    window, _ = _profiled(rt, prompt, decode, iterations, follow, device=False, replay=replay)
+    `host decision`) and of each CUDA API call (cudaGraphLaunch, cudaMemcpyAsync, ...), and
+    the iteration's wall time ("iteration"), from a few iterations of one more generation run
+    as the runtime runs it (graphs kept) under a CPU-only profiler: where the host path spends
+    its time."""
+    window, _ = _profiled(
+        rt, prompt, decode, iterations, follow, device=False, replay=replay, batch=batch
+    )
     totals: dict[str, float] = {}
     for e in window.profiler.events():
         if e.name in STAGES or _is_api_call(e.name):
             totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us()
+    totals["iteration"] = 1e6 * window.seconds
     return {name: us / 1000 / max(1, window.seen) for name, us in totals.items()}
 
 
@@ -78,13 +90,18 @@ def _profiled(
     *,
     device: bool,
     replay: Replay | None = None,
+    batch: Batch | None = None,
 ) -> tuple[_ProfileWindow, dict | None]:
     """One generation (following `follow` if given; the replay of (trace, prompt index) if
-    `replay`) with iterations 1 .. `iterations` under the profiler: (the window, the engine's
-    figures)."""
+    `replay`; the prompts of `batch` decoded together if given) with iterations 1 ..
+    `iterations` under the profiler: (the window, the engine's figures)."""
     window = _ProfileWindow(first=1, count=iterations, device=device)
     try:
-        if replay is not None:
+        if batch is not None:
+            dec = rt.batch_decoder(len(batch), prefill_chunk=0)  # every prompt in forward 0
+            run_batch(rt, dec, batch, decode or rt.decode)  # its graphs are captured here
+            _, off, _ = run_batch(rt, dec, batch, decode or rt.decode, [window])
+        elif replay is not None:
             _, off, _ = run_replay(rt, *replay, [window])
         else:
             _, off, _ = run_once(rt, prompt, decode, [window], follow)
@@ -95,20 +112,26 @@ def _profiled(
 
 class _ProfileWindow(DecodeObserver):
     """Profiles iterations first .. first + count - 1 of a generation, stages annotated; the
-    device timeline too unless `device` is False."""
+    device timeline too unless `device` is False; a batch's forwards count as iterations."""
 
     def __init__(self, *, first: int, count: int, device: bool = True) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         self.first, self.count, self.seen, self.running = first, count, 0, False
+        self.seconds, self._t0 = 0.0, 0.0  # wall time of the profiled iterations
+        self.base: int | None = None  # the generation's first step (a batch counts on)
         activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * device
         self.profiler = profile(activities=activities)
 
+    def on_generation_start(self, prompt_length: int) -> None:
+        self.base = None
+
     def on_iteration_start(self, block: int, iteration: int, step: int) -> None:
-        if step == self.first:
+        self.base = step if self.base is None else self.base
+        if step - self.base == self.first and not self.seen:
             annotate(True)
             self.profiler.start()
-            self.running = True
+            self.running, self._t0 = True, time.perf_counter()
 
     def on_iteration(self, info: IterationInfo) -> None:
         if self.running:
@@ -116,10 +139,14 @@ class _ProfileWindow(DecodeObserver):
             if self.seen == self.count:
                 self.stop()
 
+    def on_batch_iteration(self, info: BatchIterationInfo) -> None:
+        self.on_iteration(info.rows[0])
+
     def stop(self) -> None:
         if self.running:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            self.seconds = time.perf_counter() - self._t0
             self.profiler.stop()
             annotate(False)
             self.running = False

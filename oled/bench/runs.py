@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from oled.decoding import DecodeConfig, DecodeObserver, GenerationStats
+from oled.decoding.batch import BatchDecoder
 from oled.decoding.follow import Trajectory
 from oled.runtime import Runtime
 from oled.trace.replay import RoutingTrace
@@ -89,3 +90,25 @@ def run_replay(
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     return rt.last_stats, rt.offload_summary(), tokens
+
+
+def run_batch(
+    rt: Runtime,
+    dec: BatchDecoder,
+    prompts: Sequence[list[int]],
+    decode: DecodeConfig,
+    observers: Sequence[DecodeObserver] = (),
+) -> Generation:
+    """The prompts decoded together by `dec` (a batch decoder of `rt`, oled.decoding.batch),
+    with `observers` watching: the first stream's statistics and tokens, the offload engine's
+    figures."""
+    dec.observers += observers
+    try:
+        streams = [dec.add(p, decode) for p in prompts]
+        while dec.busy:
+            dec.step()
+    finally:
+        del dec.observers[len(dec.observers) - len(observers) :]
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize()
+    return streams[0].stats, rt.offload_summary(), streams[0].generated

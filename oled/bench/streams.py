@@ -1,30 +1,48 @@
 """`oled bench --streams`: many users at once, decoded together (oled.decoding.batch).
 
-A row of N streams decodes the same pool of requests (seeded random prompts), N at a time:
-groups of N arrive together and decode in one batch. The one-stream row is the single-request
-path (`Runtime.stream`), one request after another; its tokens are every request's reference,
-and each batched request's tokens are compared with them. Per row: aggregate tokens/s (all
-tokens over the time the groups took), per-request tokens/s (its tokens over its own time from
-arrival), time to first token (the first streamed block with answer tokens), p50 and p90, and
-expert copies per generated token.
+A row of N streams decodes the same pool of requests (seeded random prompts, or a prompt
+file's), N at a time: the requests of a group arrive one forward apart, so each one after the
+first joins a batch that is already decoding, and the group's batch runs until all of them
+end. The one-stream row is the single-request path (`Runtime.stream`), one request after
+another; its tokens are every request's reference, and each batched request's tokens are
+compared with them. Every row runs `runs` timed passes over the pool after its warm-up passes
+(`warmup_runs`; a batched row's over the whole pool, so that every shape's graphs are captured
+there).
+
+Per row: aggregate tokens/s (all tokens over the time the groups took; the median pass and
+the range of the passes), per-request tokens/s (its tokens over its own time from arrival),
+time to first token (from its arrival to the first streamed block with answer tokens), p50 and
+p90, the running streams' slowdown while prompts join (each forward that carried a joining
+prompt's rows beside running streams over the median forward of as many streams that carried
+none, averaged) and their stall (what those forwards took beyond that median, per joining
+prompt), and expert copies per generated token. With `profile`: device time per
+forward stage (CUDA) and host time per stage and per forward, from a few steady forwards of N
+streams (oled.bench.profile).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from oled.bench.profile import host_breakdown, stage_breakdown
 from oled.bench.runs import BenchConfig, bench_decode, random_prompt
+from oled.bench.tables import fmt, with_spread
 from oled.decoding import DecodeConfig
+from oled.decoding.batch import BatchDecoder, ForwardFigures
 from oled.decoding.decoder import median_p90
 from oled.progress import track
 from oled.runtime import Runtime
 
 if TYPE_CHECKING:
     from rich.table import Table
+
+Messages = list[dict[str, str]]  # a chat prompt
 
 
 @dataclass
@@ -43,73 +61,131 @@ class Request:
             self.first = now
 
 
+@dataclass
+class Pass:
+    """One timed pass over the pool: its requests, copies, seconds and batched forwards."""
+
+    requests: list[Request] = field(default_factory=list)
+    copies: float = 0.0
+    seconds: float = 0.0
+    forwards: list[ForwardFigures] = field(default_factory=list)
+    joins: int = 0  # requests that joined a batch with streams decoding
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.tokens or []) for r in self.requests)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
 def bench_streams(
-    rt: Runtime, cfg: BenchConfig, label: str, counts: list[int], requests: int | None = None
+    rt: Runtime,
+    cfg: BenchConfig,
+    label: str,
+    counts: list[int],
+    requests: int | None = None,
+    prompts: list[Messages] | None = None,
 ) -> list[dict[str, Any]]:
-    """A row per stream count over one pool of `requests` (default: the largest count)."""
-    pool = [
-        random_prompt(rt, cfg.prompt_length, cfg.seed + i) for i in range(requests or max(counts))
-    ]
+    """A row per stream count over one pool of `requests` (default: the largest count) of
+    seeded random prompts, or of `prompts` (chat messages, in turn)."""
+    pool = _pool(rt, cfg, requests or max(counts), prompts)
     decode = bench_decode(rt, cfg)
     for _ in range(cfg.warmup_runs):
         _single(rt, pool[:1], decode)
-    single, copies, seconds = _single(rt, pool, decode)
-    reference = [r.tokens for r in single]
+    singles = [_single(rt, pool, decode) for _ in range(cfg.runs)]
+    reference = [r.tokens for r in singles[0].requests]
     rows = []
     for n in counts:
         if n == 1:
-            rows.append(_row(label, 1, single, copies, seconds, reference))
-            continue
-        for _ in range(cfg.warmup_runs):  # its graphs are captured here
-            _batched(rt, pool[:n], decode, n)
-        before = _captures(rt)
-        done, copies_n, seconds_n = _batched(rt, pool, decode, n)
-        row = _row(label, n, done, copies_n, seconds_n, reference)
-        rows.append(row | {"graph_captures": _captures(rt) - before})
+            passes, extra = singles, {}
+        else:
+            dec = rt.batch_decoder(n, block_length=decode.block_length)  # one for all passes
+            for _ in range(cfg.warmup_runs):  # its graphs are captured here (every shape)
+                _batched(rt, dec, pool, decode)
+            before = _captures(rt)
+            passes = [_batched(rt, dec, pool, decode) for _ in range(cfg.runs)]
+            extra = {"graph_captures": _captures(rt) - before}
+        row = _row(label, n, passes, reference) | extra
+        rows.append(row | _profile(rt, cfg, pool[:n], decode))
     return rows
 
 
-def _single(
-    rt: Runtime, pool: list[list[int]], decode: DecodeConfig
-) -> tuple[list[Request], float, float]:
-    """Every request alone, in turn: the requests, the copies, the seconds in all."""
-    out, copies, seconds = [], 0.0, 0.0
+def _pool(
+    rt: Runtime, cfg: BenchConfig, requests: int, prompts: list[Messages] | None
+) -> list[list[int]]:
+    """The requests' prompt ids: seeded random ones of the configured length, or the chat
+    prompts given, in turn."""
+    if prompts is None:
+        return [random_prompt(rt, cfg.prompt_length, cfg.seed + i) for i in range(requests)]
+    if not prompts:
+        raise ValueError("no prompts to decode")
+    return [rt.prompt_ids(prompts[i % len(prompts)], chat=True) for i in range(requests)]
+
+
+def _single(rt: Runtime, pool: list[list[int]], decode: DecodeConfig) -> Pass:
+    """Every request alone, in turn."""
+    out = Pass()
     for prompt in track(pool, "1 stream"):
         r = Request(prompt, arrived=time.perf_counter())
         for block in rt.stream(prompt, decode=decode):
             _sync(rt)
             r.add(block.new_tokens, time.perf_counter())
         r.done = time.perf_counter()
-        seconds += r.done - r.arrived
-        copies += _copies(rt)
-        out.append(r)
-    return out, copies, seconds
+        out.seconds += r.done - r.arrived
+        out.copies += _copies(rt)
+        out.requests.append(r)
+    return out
 
 
-def _batched(
-    rt: Runtime, pool: list[list[int]], decode: DecodeConfig, n: int
-) -> tuple[list[Request], float, float]:
-    """The pool in groups of n that arrive together, each group decoded as one batch."""
-    dec = rt.batch_decoder(n, block_length=decode.block_length)
-    out, copies, seconds = [], 0.0, 0.0
+def _batched(rt: Runtime, dec: BatchDecoder, pool: list[list[int]], decode: DecodeConfig) -> Pass:
+    """The pool in groups of `dec.max_batch`, each decoded as one batch that its requests join
+    one forward apart."""
+    out, n = Pass(), dec.max_batch
     for g in track(range(0, len(pool), n), f"{n} streams"):
         t0 = time.perf_counter()
-        group = [Request(p, arrived=t0) for p in pool[g : g + n]]
-        for r in group:
-            dec.add(r.prompt, decode, tag=r)
-        while dec.busy:
-            events = dec.step()
-            now = time.perf_counter()
-            for ev in events:
-                if ev.block is not None:
-                    ev.stream.tag.add(ev.block.new_tokens, now)
-                if ev.finished:
-                    ev.stream.tag.done = now
+        arriving = deque(Request(p) for p in pool[g : g + n])
+        out.joins += len(arriving) - 1  # the first finds the batch idle
+        while arriving or dec.busy:
+            if arriving:  # the next request arrives before this forward
+                r = arriving.popleft()
+                r.arrived = time.perf_counter()
+                dec.add(r.prompt, decode, tag=r)
+                out.requests.append(r)
+            _step(dec)
+            out.forwards.append(dec.last)
         _sync(rt)
-        seconds += time.perf_counter() - t0
-        copies += _copies(rt)
-        out += group
-    return out, copies, seconds
+        out.seconds += time.perf_counter() - t0
+        out.copies += _copies(rt)
+    return out
+
+
+def _step(dec: BatchDecoder) -> None:
+    """One forward of the batch, its finished blocks and requests timed."""
+    events = dec.step()
+    now = time.perf_counter()
+    for ev in events:
+        if ev.block is not None:
+            ev.stream.tag.add(ev.block.new_tokens, now)
+        if ev.finished:
+            ev.stream.tag.done = now
+
+
+def _profile(
+    rt: Runtime, cfg: BenchConfig, prompts: list[list[int]], decode: DecodeConfig
+) -> dict[str, Any]:
+    """With `cfg.profile`: device ms per forward stage (CUDA only) and host ms per stage and
+    per forward, over a few steady forwards of these prompts decoded together (one stream:
+    the single-request path)."""
+    if not cfg.profile:
+        return {}
+    batch = prompts if len(prompts) > 1 else None
+    out = {}
+    if rt.device.type == "cuda":
+        out["stages_ms_per_iteration"] = stage_breakdown(rt, prompts[0], decode, batch=batch)
+    out["host_ms_per_iteration"] = host_breakdown(rt, prompts[0], decode, batch=batch)
+    return out
 
 
 def _copies(rt: Runtime) -> float:
@@ -130,32 +206,57 @@ def _sync(rt: Runtime) -> None:
 
 
 def _row(
-    label: str,
-    n: int,
-    done: list[Request],
-    copies: float,
-    seconds: float,
-    reference: list[list[int] | None],
+    label: str, n: int, passes: list[Pass], reference: list[list[int] | None]
 ) -> dict[str, Any]:
-    """One row's figures."""
-    tokens = sum(len(r.tokens or []) for r in done)
+    """One row's figures over its passes."""
+    done = [r for p in passes for r in p.requests]
+    tokens = sum(p.tokens for p in passes)
+    seconds = sum(p.seconds for p in passes)
     ttft = [1000 * ((r.first or r.done) - r.arrived) for r in done]
     per_request = [len(r.tokens or []) / (r.done - r.arrived) for r in done if r.done > r.arrived]
     p50, p90 = median_p90(ttft)
-    equal = sum(r.tokens == ref for r, ref in zip(done, reference, strict=True))
+    equal = sum(r.tokens == reference[i % len(reference)] for i, r in enumerate(done))
+    rates = [p.tokens_per_second for p in passes]
     return {
         "config": label,
+        "label": f"{label}, {n} stream{'s' * (n > 1)}",
         "streams": n,
+        "passes": len(passes),
         "requests": len(done),
         "tokens": tokens,
         "seconds": seconds,
-        "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "tokens_per_second": statistics.median(rates),
+        "tokens_per_second_passes": rates,
         "request_tokens_per_second": sum(per_request) / len(per_request) if per_request else 0.0,
         "ttft_ms_p50": p50,
         "ttft_ms_p90": p90,
-        "copies": copies,
-        "copies_per_token": copies / tokens if tokens else 0.0,
+        **_joins([f for p in passes for f in p.forwards], sum(p.joins for p in passes)),
+        "copies": sum(p.copies for p in passes),
+        "copies_per_token": sum(p.copies for p in passes) / tokens if tokens else 0.0,
         "equal": equal,
+    }
+
+
+def _joins(forwards: list[ForwardFigures], joins: int) -> dict[str, Any]:
+    """How `joins` prompts joining running streams slowed them: each forward that carried a
+    joining prompt's rows beside running streams, against the median forward of as many
+    streams that carried no prompt rows (the running streams' slowdown: the mean of those
+    ratios; the stall: the milliseconds those forwards took beyond it, per joining prompt)."""
+    carried = [f for f in forwards if f.prefill and f.running]
+    plain: dict[int, list[float]] = {}
+    for f in forwards:
+        if not f.prefill:
+            plain.setdefault(f.streams, []).append(f.ms)
+    base = {n: statistics.median(ms) for n, ms in plain.items()}
+    judged = [(f.ms, base[f.running]) for f in carried if base.get(f.running)]
+    every = [t for ms in plain.values() for t in ms]
+    return {
+        "join_forwards": len(carried),
+        "join_forward_ms_mean": statistics.fmean(f.ms for f in carried) if carried else None,
+        "join_forward_ms_max": max(f.ms for f in carried) if carried else None,
+        "plain_forward_ms_p50": statistics.median(every) if every else None,
+        "running_slowdown": statistics.fmean(ms / b for ms, b in judged) if judged else None,
+        "stall_ms_per_join": sum(ms - b for ms, b in judged) / joins if judged and joins else None,
     }
 
 
@@ -167,11 +268,15 @@ def streams_table(rows: list[dict[str, Any]]) -> Table:
     cols = [
         "config",
         "streams",
-        "tokens/s",
+        "tokens/s (passes)",
         "x 1 stream",
         "per request tok/s",
         "TTFT p50 ms",
         "TTFT p90 ms",
+        "fwd ms p50",
+        "join fwd ms",
+        "running slowdown",
+        "stall ms/join",
         "copies/token",
         "= 1 stream",
     ]
@@ -183,12 +288,24 @@ def streams_table(rows: list[dict[str, Any]]) -> Table:
         out.add_row(
             r["config"],
             str(r["streams"]),
-            f"{r['tokens_per_second']:.1f}",
-            f"{r['tokens_per_second'] / base:.2f}" if base else "-",
+            with_spread(r["tokens_per_second"], r.get("tokens_per_second_passes")),
+            _ratio(r, base),
             f"{r['request_tokens_per_second']:.1f}",
             f"{r['ttft_ms_p50']:.0f}",
             f"{r['ttft_ms_p90']:.0f}",
+            fmt(r.get("plain_forward_ms_p50"), "{:.2f}"),
+            fmt(r.get("join_forward_ms_mean"), "{:.2f}"),
+            fmt(r.get("running_slowdown"), "{:.2f}x"),
+            fmt(r.get("stall_ms_per_join"), "{:.1f}"),
             f"{r['copies_per_token']:.1f}",
             f"{r['equal']}/{r['requests']}",
         )
     return out
+
+
+def _ratio(row: dict[str, Any], base: float) -> str:
+    """A row's tokens/s against its config's first row (median passes), with its passes'."""
+    if not base:
+        return "-"
+    passes = [rate / base for rate in row.get("tokens_per_second_passes") or []]
+    return with_spread(row["tokens_per_second"] / base, passes, "{:.2f}")

@@ -86,11 +86,11 @@ def _cells(
     """One row's cells, in the order of `_columns`."""
     cells = [
         r["label"],
-        _with_spread(r["tokens_per_second"], r.get("tokens_per_second_passes")),
+        with_spread(r["tokens_per_second"], r.get("tokens_per_second_passes")),
         f"{r['ms_per_forward_mean']:.2f}",
         f"{r['ms_per_iteration_median']:.2f}",
         f"{r['ms_per_iteration_p90']:.2f}",
-        _fmt(r.get("prompt_ms"), "{:.1f}"),
+        fmt(r.get("prompt_ms"), "{:.1f}"),
         f"{r['tokens_per_forward']:.2f}",
         *_agreement_cells(r.get("agreement")),
     ]
@@ -101,16 +101,17 @@ def _cells(
     if ahead:
         used = o.get("predicted_used")
         cells.append(
-            _fmt(o.get("predicted_per_iteration")) + (f" ({used:.0%})" if used is not None else "")
+            fmt(o.get("predicted_per_iteration")) + (f" ({used:.0%})" if used is not None else "")
         )
     return cells
 
 
-def _with_spread(value: float, passes: list[float] | None) -> str:
+def with_spread(value: float, passes: list[float] | None, pattern: str = "{:.1f}") -> str:
     """A figure with the range of its passes when there are several: "48.6 (47.9-49.1)"."""
     if not passes or len(passes) < 2:
-        return f"{value:.1f}"
-    return f"{value:.1f} ({min(passes):.1f}-{max(passes):.1f})"
+        return pattern.format(value)
+    low, high = pattern.format(min(passes)), pattern.format(max(passes))
+    return f"{pattern.format(value)} ({low}-{high})"
 
 
 def _agreement_cells(agreement: dict[str, Any] | None) -> list[str]:
@@ -121,7 +122,7 @@ def _agreement_cells(agreement: dict[str, Any] | None) -> list[str]:
         return ["n/a", "n/a"]
     equal = agreement["tokens_equal"]
     same = "yes" if equal == 1 else f"{equal:.0%}, from {agreement['first_divergence']}"
-    return [same, _fmt(agreement.get("max_logit_diff"), "{:.2g}")]
+    return [same, fmt(agreement.get("max_logit_diff"), "{:.2g}")]
 
 
 def _offload_cells(o: dict[str, Any], prompt_ms: float | None) -> list[str]:
@@ -129,18 +130,18 @@ def _offload_cells(o: dict[str, Any], prompt_ms: float | None) -> list[str]:
     copy stream is busy all through the prompt forward)."""
     copies = o.get("prompt_copy_ms")
     return [
-        _fmt(o.get("hit_rate"), "{:.1%}"),
-        _fmt(o.get("copies_per_iteration")),
-        _fmt(o.get("copy_bytes_per_iteration"), "{:.1f}", 1e-6),
-        _fmt(o.get("cpu_share"), "{:.1%}"),
-        _fmt(o.get("prompt_cpu_share"), "{:.1%}"),
-        _fmt(o.get("stall_ms_per_iteration"), "{:.2f}"),
-        _fmt(o.get("copy_ms_per_iteration"), "{:.2f}"),
-        _fmt(o.get("copy_gb_per_s"), "{:.1f}"),
-        _fmt(prompt_ms / copies if prompt_ms and copies else None, "{:.2f}x"),
-        _fmt(o.get("host_us_per_layer"), "{:.0f}"),
+        fmt(o.get("hit_rate"), "{:.1%}"),
+        fmt(o.get("copies_per_iteration")),
+        fmt(o.get("copy_bytes_per_iteration"), "{:.1f}", 1e-6),
+        fmt(o.get("cpu_share"), "{:.1%}"),
+        fmt(o.get("prompt_cpu_share"), "{:.1%}"),
+        fmt(o.get("stall_ms_per_iteration"), "{:.2f}"),
+        fmt(o.get("copy_ms_per_iteration"), "{:.2f}"),
+        fmt(o.get("copy_gb_per_s"), "{:.1f}"),
+        fmt(prompt_ms / copies if prompt_ms and copies else None, "{:.2f}x"),
+        fmt(o.get("host_us_per_layer"), "{:.0f}"),
         _host_split(o),
-        _fmt(o.get("sync_us_per_layer"), "{:.0f}"),
+        fmt(o.get("sync_us_per_layer"), "{:.0f}"),
     ]
 
 
@@ -158,7 +159,7 @@ def stage_table(rows: list[dict[str, Any]]) -> Table:
         stages = r.get("stages_ms_per_iteration", {})
         total = sum(v for k, v in stages.items() if k != "CPU experts") if stages else None
         out.add_row(
-            r["label"], *(_fmt(stages.get(n), "{:.3f}") for n in names), _fmt(total, "{:.3f}")
+            r["label"], *(fmt(stages.get(n), "{:.3f}") for n in names), fmt(total, "{:.3f}")
         )
     return out
 
@@ -178,7 +179,7 @@ def host_table(rows: list[dict[str, Any]], columns: int = 12) -> Table:
         out.add_column(col, justify="left" if col == "config" else "right")
     for r in rows:
         host = r.get("host_ms_per_iteration", {})
-        out.add_row(r["label"], *(_fmt(host.get(n), "{:.3f}") for n in names))
+        out.add_row(r["label"], *(fmt(host.get(n), "{:.3f}") for n in names))
     return out
 
 
@@ -188,5 +189,5 @@ def _host_split(offload: dict) -> str:
     return "n/a" if None in parts else "/".join(f"{v:.0f}" for v in parts)
 
 
-def _fmt(value: float | None, pattern: str = "{:.1f}", scale: float = 1.0) -> str:
+def fmt(value: float | None, pattern: str = "{:.1f}", scale: float = 1.0) -> str:
     return "n/a" if value is None else pattern.format(value * scale)

@@ -124,6 +124,16 @@ TransferOpt = Annotated[
     ),
 ]
 
+PrefillChunkOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--prefill-chunk",
+        help="A prompt's tokens per batched forward while other requests decode, in whole "
+        "blocks, so they keep decoding while it is taken in (0: the whole prompt in one forward; "
+        f"default: the recipe's runtime.prefill_chunk, else {RUNTIME.prefill_chunk}).",
+    ),
+]
+
 
 def command_spec(recipe: Path | None, model: str | None, **flags: Any) -> Recipe:
     """The recipe a command builds its runtime from: its flags (oled.recipe.Flags' fields; a

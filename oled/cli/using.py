@@ -21,6 +21,7 @@ from oled.cli.options import (
     KernelsOpt,
     MaxTokensOpt,
     ModelOpt,
+    PrefillChunkOpt,
     RecipeOpt,
     SeedOpt,
     StepsOpt,
@@ -156,6 +157,7 @@ def serve(
             "Retry-After (default: the recipe's runtime.max_queue, else 64; 0: none wait).",
         ),
     ] = None,
+    prefill_chunk: PrefillChunkOpt = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
     from oled.serve.server import run_server, served_name
@@ -177,6 +179,7 @@ def serve(
         max_tokens_flag="--default-max-tokens",
         max_batch=max_batch,
         max_queue=max_queue,
+        prefill_chunk=prefill_chunk,
     )
     run_server(
         spec,
@@ -333,7 +336,17 @@ def bench(
             "--streams",
             help="Concurrent streams, e.g. 1,2,4,8: per count, the same requests (as many as "
             "the largest count, seeded random prompts) decode that many at a time in one batch; "
-            "aggregate and per-request tokens/s, time to first token, copies per token.",
+            "aggregate and per-request tokens/s, time to first token, the running streams' "
+            "slowdown while prompts join, copies per token; --runs timed passes each.",
+        ),
+    ] = None,
+    prefill_chunk: PrefillChunkOpt = None,
+    prompt_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompt-file",
+            help='With --streams: the requests\' prompts from a JSONL file ({"prompt": ...} or '
+            '{"messages": [...]} a line, in turn, chat-formatted) instead of random ones.',
         ),
     ] = None,
 ) -> None:
@@ -367,6 +380,7 @@ def bench(
         block_length=block_length,
         threshold=threshold,
         steps=steps,
+        prefill_chunk=prefill_chunk,
     )
     paths = [*(recipes or []), *([recipe] if recipe else [])]
     if prompts is not None and routing is None and not paths:
@@ -375,8 +389,11 @@ def bench(
         counts = stream_counts(streams)
         if routing is not None or follow:
             raise ValueError("--streams decodes random prompts freely: drop --routing/--follow")
-        _bench_streams(cfg, _row_specs(paths, model, cache_size, flags), counts, report_dir)
+        specs = _row_specs(paths, model, cache_size, flags)
+        _bench_streams(cfg, specs, counts, report_dir, _chat_prompts(prompt_file))
         return
+    if prompt_file is not None:
+        raise ValueError("--prompt-file gives the prompts of --streams: add --streams")
     specs = [
         (label, with_routing(spec, routing, prompts))
         for label, spec in _row_specs(paths, model, cache_size, flags)
@@ -395,10 +412,30 @@ def stream_counts(text: str) -> list[int]:
     return counts
 
 
+def _profile_note(cfg: BenchConfig, rt: Any) -> None:
+    """Say that a CPU row's profile has host times only."""
+    if cfg.profile and rt.device.type != "cuda":
+        err_console.print(
+            f"[yellow]--profile: no device timeline on {rt.device}; "
+            "host time per stage only[/yellow]"
+        )
+
+
+def _chat_prompts(path: Path | None) -> list[list[dict[str, str]]] | None:
+    """The chat messages of each prompt of a JSONL prompt file (None without one)."""
+    from oled.experiment.workload import read_jsonl
+
+    return None if path is None else [p.as_messages() for p in read_jsonl(path)]
+
+
 def _bench_streams(
-    cfg: BenchConfig, specs: Sequence[tuple[str, Any]], counts: list[int], report_dir: Path | None
+    cfg: BenchConfig,
+    specs: Sequence[tuple[str, Any]],
+    counts: list[int],
+    report_dir: Path | None,
+    prompts: list[list[dict[str, str]]] | None = None,
 ) -> None:
-    """Rows of concurrent streams per spec (oled.bench.streams), the table and the report."""
+    """Rows of concurrent streams per spec (oled.bench.streams), the tables and the report."""
     from oled import bench as b
     from oled.bench.streams import bench_streams, streams_table
     from oled.runtime import build
@@ -407,13 +444,21 @@ def _bench_streams(
     for label, spec in specs:
         rt = build(spec)
         used = str(rt.device)
+        source = f"{len(prompts)} file prompts" if prompts else f"prompt {cfg.prompt_length}"
         err_console.print(
-            f"[dim]{label}: {max(counts)} requests, prompt {cfg.prompt_length}, "
-            f"{cfg.gen_length} tokens, at {counts} streams[/dim]"
+            f"[dim]{label}: {max(counts)} requests, {source}, {cfg.gen_length} tokens, "
+            f"at {counts} streams, {cfg.warmup_runs} warm-up + {cfg.runs} timed passes, "
+            f"prompts in chunks of {rt.prefill_chunk or 'all'} tokens[/dim]"
         )
-        rows += bench_streams(rt, cfg, label, counts)
+        _profile_note(cfg, rt)
+        rows += bench_streams(rt, cfg, label, counts, prompts=prompts)
         del rt
-    Console(highlight=False, width=max(160, Console().width)).print(streams_table(rows))
+    out = Console(highlight=False, width=max(220, Console().width))  # 12 columns fit
+    out.print(streams_table(rows))
+    if any("stages_ms_per_iteration" in r for r in rows):
+        out.print(b.stage_table(rows))
+    if any("host_ms_per_iteration" in r for r in rows):
+        out.print(b.host_table(rows))
     if report_dir is not None:
         err_console.print(f"[dim]report: {b.write_report(report_dir, cfg, rows, used)}[/dim]")
 
@@ -477,11 +522,7 @@ def _bench_rows(
     for (label, spec), work in zip(specs, works, strict=True):
         rt = build(spec)
         used = str(rt.device)
-        if cfg.profile and rt.device.type != "cuda":
-            err_console.print(
-                f"[yellow]--profile: no device timeline on {rt.device}; "
-                "host time per stage only[/yellow]"
-            )
+        _profile_note(cfg, rt)
         if work is not None:
             err_console.print(
                 f"[dim]{label}: {b.replay_warmups(cfg, len(work.prompts))} warm-up replays + "

@@ -166,7 +166,7 @@ class BlockDecoder:
                 return
             block = seq[0, start : start + bl]
             new, stop_at = block_answer(
-                block, p - start, cfg.max_new_tokens - len(generated), self.stop_ids
+                block.tolist(), p - start, cfg.max_new_tokens - len(generated), self.stop_ids
             )
             generated += new
             self.stats.new_tokens = len(generated)
@@ -307,11 +307,11 @@ def masked_sequence(prompt: Sequence[int], total: int, mask_id: int, device: Dev
 
 
 def block_answer(
-    block: Tensor, prompt_in_block: int, room: int, stop_ids: set[int]
+    block: Sequence[int], prompt_in_block: int, room: int, stop_ids: set[int]
 ) -> tuple[list[int], int | None]:
     """A finished block's answer tokens (past the prompt's, at most `room`, cut before a stop
     id) and where the stop id was (None: no stop)."""
-    new = block[max(prompt_in_block, 0) :].tolist()[:room]
+    new = list(block[max(prompt_in_block, 0) :])[:room]
     stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
     return (new if stop_at is None else new[:stop_at]), stop_at
 
@@ -331,13 +331,31 @@ def _confidence(
 
 def _commit(conf: Tensor, masked: Tensor, cfg: DecodeConfig, iteration: int) -> Tensor:
     """Masked positions at or above the threshold (strictly above with `strict_threshold`),
-    and at least the `cfg.at_least(iteration)` most confident ones."""
-    score = torch.where(masked, conf, -1.0)  # [L]
-    above = score > cfg.threshold if cfg.strict_threshold else score >= cfg.threshold
-    best = torch.zeros_like(masked)
-    n = cfg.at_least(iteration)
-    if n == 1:  # argmax: the first of equal maxima (topk does not promise which)
-        best[score.argmax()] = True
-    else:  # unmasked positions score -1, below any confidence: `& masked` drops them
-        best[score.topk(min(n, score.shape[0])).indices] = True
-    return masked & (above | best)
+    and at least the `cfg.at_least(iteration)` most confident ones: `select_commits` for one
+    sequence. conf, masked [L]."""
+    return select_commits(
+        conf[None], masked[None], cfg.threshold, cfg.strict_threshold, cfg.at_least(iteration)
+    )[0]
+
+
+def select_commits(
+    conf: Tensor,
+    masked: Tensor,
+    threshold: Tensor | float,
+    strict: Tensor | bool,
+    at_least: Tensor | int,
+) -> Tensor:
+    """[B, L] bool: per sequence, the masked positions whose confidence reaches its threshold
+    (strictly above where `strict`), and at least its `at_least` most confident masked ones;
+    of equal confidences the earlier position ranks first. conf [B, L] fp32, masked [B, L]
+    bool; threshold, strict and at_least a scalar or [B, 1] each. One set of kernels for the
+    whole batch: a stable descending sort ranks the positions."""
+    score = torch.where(masked, conf, -1.0)  # [B, L]; fixed positions rank below any open one
+    if isinstance(strict, bool):
+        above = score > threshold if strict else score >= threshold  # [B, L]
+    else:
+        above = torch.where(strict, score > threshold, score >= threshold)  # [B, L]
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices  # [B, L]
+    ranks = torch.arange(score.shape[-1], device=score.device).expand_as(order)  # [B, L]
+    rank = torch.empty_like(order).scatter_(-1, order, ranks)  # [B, L]: each position's rank
+    return masked & (above | (rank < at_least))

@@ -124,6 +124,7 @@ class _Captured:
     logits: Tensor  # [B, T - logits_from, V] static output
     pieces: list[torch.cuda.CUDAGraph]  # one graph (whole) or one per stretch (pieces)
     layers: list[int]  # MoE layer answered after pieces[i] (pieces mode)
+    source: BatchRows | None = None  # the rows that `rows` holds a copy of
 
 
 class EagerForward:
@@ -300,8 +301,11 @@ class GraphedForward(EagerForward):
         else:
             self.captured.move_to_end(key)
             entry.tokens.copy_(tokens)
-            if rows is not None and entry.rows is not None:  # both or neither: the same key
+            # both or neither: the same key; rows are never changed once built, so the rows
+            # copied last need no copy again (a batch keeps its rows while it does not change)
+            if rows is not None and entry.rows is not None and rows is not entry.source:
                 entry.rows.copy_(rows)
+                entry.source = rows
         self._replay(entry)
         return entry.logits
 
@@ -322,7 +326,7 @@ class GraphedForward(EagerForward):
         steps = make_steps(static, static_rows)
         if self.whole:
             graph, out = self.graphs.capture(lambda: drive(steps, self.model.execute))
-            return _Captured(static, static_rows, out, [graph], [])
+            return _Captured(static, static_rows, out, [graph], [], rows)
         dtype = self.model.model.word_embeddings.weight.dtype
         t = static.numel()
         pieces: list[torch.cuda.CUDAGraph] = []
@@ -336,7 +340,7 @@ class GraphedForward(EagerForward):
             pieces.append(graph)
             if request is not None:
                 layers.append(request.layer)
-        return _Captured(static, static_rows, logits, pieces, layers)
+        return _Captured(static, static_rows, logits, pieces, layers, rows)
 
     def _piece(
         self, steps: ForwardSteps, previous: int | None, dtype: torch.dtype, t: int

@@ -140,6 +140,7 @@ class Flags:
     transfer: str | None = _flag("runtime.transfer", "--transfer")
     max_batch: int | None = _flag("runtime.max_batch", "--max-batch")
     max_queue: int | None = _flag("runtime.max_queue", "--max-queue")
+    prefill_chunk: int | None = _flag("runtime.prefill_chunk", "--prefill-chunk")
     block_length: int | None = _flag("decoding.block_length", "--block-length")
     threshold: float | None = _flag("decoding.threshold", "--threshold")
     steps: int | None = _flag("decoding.steps", "--steps")

@@ -530,3 +530,57 @@ def test_the_caption_names_the_calibration_the_rows_used():
     assert _caption(rows).endswith(
         "costs: calibrated 2026-12-04T15:39:27+00:00 (not stored: measured under load: 1 thread)"
     )
+
+
+def test_bench_streams_passes_joins_and_profile(tiny_dir, tmp_path):
+    """`--streams` rows: timed passes with their range, time to first token, the running
+    streams' slowdown while prompts join (in chunks), host time per forward; every batched
+    request's tokens are its single-request tokens."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "ROMEO:"}\n{"prompt": "Say something from Macbeth."}\n')
+    args = [
+        "bench",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--gen-length",
+        "16",
+        "--block-length",
+        "8",
+        "--streams",
+        "1,3",
+        "--runs",
+        "2",
+        "--warmup-runs",
+        "0",
+        "--prefill-chunk",
+        "8",
+        "--prompt-file",
+        str(prompts),
+        "--profile",
+        "--report-dir",
+        str(tmp_path),
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "running slowdown" in result.output and "host ms per iteration" in result.output
+    report = json.loads(next(tmp_path.glob("bench-*.json")).read_text())
+    one, three = report["rows"]
+    for row in (one, three):
+        assert row["passes"] == 2 and len(row["tokens_per_second_passes"]) == 2
+        assert row["requests"] == 6 and row["equal"] == 6
+        assert row["ttft_ms_p90"] >= row["ttft_ms_p50"] > 0
+        assert row["host_ms_per_iteration"]["iteration"] > 0
+    assert three["join_forwards"] > 0 and three["running_slowdown"] > 0
+    assert three["stall_ms_per_join"] is not None
+    assert one["join_forwards"] == 0 and one["running_slowdown"] is None
+
+
+def test_prompt_file_needs_streams(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "ROMEO:"}\n')
+    result = runner.invoke(app, ["bench", "--prompt-file", str(prompts)])
+    assert result.exit_code != 0 and "--streams" in result.output
