@@ -168,7 +168,7 @@ class Runtime:
         self._replay: RoutingReplay | None = None  # the last trace replayed
         self.forward = (
             GraphedForward(checkpoint.model, executor)
-            if graphs and device.type == "cuda"
+            if graphs and device.type == "cuda" and graphable(executor)
             else EagerForward(checkpoint.model)
         )
 
@@ -667,6 +667,13 @@ def make_engine(
         driver=driver,
         encoded=encoded,
     )
+
+
+def graphable(executor: ExpertExecutor) -> bool:
+    """Whether forwards over `executor` can replay as CUDA graphs: whole forwards (no host
+    decision), or pieces between the layers' host decisions (a PiecewiseExecutor). The
+    resident split's all-reduce between layers is neither yet, so it runs eagerly."""
+    return executor.graph_safe or hasattr(executor, "run_static")
 
 
 PLANNER_MODES = {"auto": None, "compiled": True, "python": False}

@@ -285,3 +285,16 @@ def test_oled_run_names_a_split_that_cannot_be_before_starting_processes(tmp_pat
     assert "budget of 2 slots is below one per MoE layer (3)" in said
     assert "the budget is per device, over its share of 16 experts per layer" in said
     assert "torch.distributed" not in result.output
+
+
+def test_forwards_replay_as_graphs_only_over_executors_that_can() -> None:
+    """The resident split all-reduces between layers and has no static pieces: it runs
+    eagerly on CUDA rather than fail at its first graphed forward; the offload engine (pieces
+    between host decisions) and the resident executor (whole forwards) replay."""
+    from oled.model.experts import ResidentExperts
+    from oled.model.parallel import ShardedExperts
+    from oled.offload.engine import OffloadEngine
+    from oled.runtime import graphable
+
+    assert graphable(ResidentExperts) and graphable(OffloadEngine)
+    assert not graphable(ShardedExperts)
