@@ -93,7 +93,7 @@ class RuntimeSection(Strict):
     )  # generations `oled serve` decodes together (1: in turn)
     max_queue: int = Field(default=64, ge=0)  # requests `oled serve` keeps waiting (more: 429)
     # a prompt's tokens per batched forward while others decode, whole blocks (0: all at once)
-    prefill_chunk: int = Field(default=256, ge=0)
+    prefill_chunk: int = Field(default=0, ge=0)
     # how misses cross the link: bf16 rows, encoded bit-exact, or fp8 / int4 (lossy: other tokens)
     transfer: Literal["plain", "lossless", "fp8", "int4"] = "plain"
     # processes (one per device) that split every layer's experts in contiguous shares
@@ -355,7 +355,7 @@ HASHED_WHEN_SET = {
     ("runtime", "max_queue"): 64,
     ("runtime", "ahead_from"): "router",
     ("runtime", "devices"): 1,
-    ("runtime", "prefill_chunk"): 256,
+    ("runtime", "prefill_chunk"): 0,
 }
 
 

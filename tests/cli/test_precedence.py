@@ -112,7 +112,7 @@ def test_a_bad_flag_is_named_and_nothing_loads(recipe, built):
 def test_prefill_chunk_flag_over_the_recipe_and_validated(recipe, tiny_dir, monkeypatch):
     served = _served(monkeypatch)
     result = runner.invoke(app, ["serve", "--recipe", str(recipe)])
-    assert result.exit_code == 0 and served[-1].runtime.prefill_chunk == 256  # the default
+    assert result.exit_code == 0 and served[-1].runtime.prefill_chunk == 0  # the default
     result = runner.invoke(app, ["serve", "--recipe", str(recipe), "--prefill-chunk", "64"])
     assert result.exit_code == 0 and served[-1].runtime.prefill_chunk == 64
     result = runner.invoke(app, ["serve", "--recipe", str(recipe), "--prefill-chunk", "-1"])
