@@ -97,7 +97,6 @@ def bench_runtime(
     if follow:
         followed_commits = sum(s.followed for s in runs)
         row["followed_agreement"] = sum(s.agreed for s in runs) / max(1, followed_commits)
-    row["decisions"] = rt.decisions()
     return row | _execution(rt)
 
 
@@ -127,9 +126,10 @@ def _digest(tokens: list[int]) -> str:
 
 
 def _execution(rt: Runtime) -> dict[str, Any]:
-    """How the row ran: the kernels in use and whether the forwards were CUDA graphs."""
+    """How the row ran: the kernels in use, whether the forwards were CUDA graphs, and how the
+    offload decisions were made (the cost model's source and figures; None when resident)."""
     graphs = bool(getattr(rt.forward, "graphed", False)) and rt.device.type == "cuda"
-    return {"kernels": kernels.describe(rt.device), "graphs": graphs}
+    return {"kernels": kernels.describe(rt.device), "graphs": graphs, "decisions": rt.decisions()}
 
 
 def summarise(label: str, runs: Sequence[Any], offload: Sequence[dict] = ()) -> dict[str, Any]:

@@ -423,6 +423,7 @@ def test_bench_replays_a_routing_trace(tiny_dir, tmp_path, trace_file):
     assert row["runs"] == 2 and row["iterations"] == 13 + 16 and row["tokens"] == 13 + 16
     assert row["routing"] == {"trace": "default.oledtrace", "prompts": [0, 2]}
     assert row["offload"]["hit_rate"] < 1
+    assert row["decisions"]["costs"]["source"]  # the cost model the replay's decisions used
 
     recipe = tmp_path / "traced.toml"
     recipe.write_text(
