@@ -18,15 +18,15 @@ from oled.offload.metrics import EngineMetrics
 runner = CliRunner()
 
 
+def bench_tiny(model: object) -> list[str]:
+    """`oled bench` on a tiny checkpoint on the CPU in float32: the arguments every test
+    starts from."""
+    return ["bench", "--model", str(model), "--device", "cpu", "--dtype", "float32"]
+
+
 def test_bench_tiny_writes_a_report(tiny_dir, tmp_path):
     args = [
-        "bench",
-        "--model",
-        str(tiny_dir),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
+        *bench_tiny(tiny_dir),
         "--gen-length",
         "8",
         "--block-length",
@@ -138,13 +138,7 @@ def test_random_prompt_is_seeded(tiny_dir):
 
 def test_bench_with_an_expert_cache_shows_offload_columns(tiny_dir):
     args = [
-        "bench",
-        "--model",
-        str(tiny_dir),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
+        *bench_tiny(tiny_dir),
         "--cache-size",
         "8",
         "--gen-length",
@@ -166,13 +160,7 @@ def test_bench_with_an_expert_cache_shows_offload_columns(tiny_dir):
 def test_bench_profile_shows_the_host_path(tiny_dir, tmp_path):
     """--profile without a device timeline still times the engine's host stages."""
     args = [
-        "bench",
-        "--model",
-        str(tiny_dir),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
+        *bench_tiny(tiny_dir),
         "--cache-size",
         "8",
         "--gen-length",
@@ -394,13 +382,7 @@ def test_bench_replays_a_routing_trace(tiny_dir, tmp_path, trace_file):
     """`--routing trace:PATH`: each row replays the selected traced prompts (their lengths,
     commits and routing) on its model; `--routing model` overrides a recipe's trace."""
     args = [
-        "bench",
-        "--model",
-        str(tiny_dir),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
+        *bench_tiny(tiny_dir),
         "--cache-size",
         "8",
         "--routing",
@@ -540,13 +522,7 @@ def test_bench_streams_passes_joins_and_profile(tiny_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "ROMEO:"}\n{"prompt": "Say something from Macbeth."}\n')
     args = [
-        "bench",
-        "--model",
-        str(tiny_dir),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
+        *bench_tiny(tiny_dir),
         "--gen-length",
         "16",
         "--block-length",
