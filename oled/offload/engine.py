@@ -376,11 +376,14 @@ class OffloadEngine(DecodeObserver):
             self.driver.learn(key, graphs.graphs[key])
         return into
 
-    def _copy_ahead(self, rt: Launcher, layer: int, predicted: np.ndarray) -> None:
+    def _copy_ahead(
+        self, rt: Launcher, layer: int, predicted: np.ndarray, after: LayerPlan
+    ) -> None:
         """Copy into `layer`'s cache what its predicted routing [T, K] names and the cache lacks
-        (Planner.prefetch), after the current layer's copies (through that call's `rt`);
-        `layer`'s passes wait for them."""
-        self._copy_planned(rt, layer, *self.planner.prefetch(layer, predicted))
+        (Planner.prefetch, on the link's spare time behind `after`, the current layer's plan),
+        after the current layer's copies (through that call's `rt`); `layer`'s passes wait for
+        them."""
+        self._copy_planned(rt, layer, *self.planner.prefetch(layer, predicted, after))
 
     def _copy_planned(
         self, rt: Launcher, layer: int, experts: np.ndarray, slots: np.ndarray
@@ -618,7 +621,7 @@ class _PythonLaunch:
 
     def copies_issued(self, layer: int) -> None:
         if self.next_np is not None:
-            self.engine._copy_ahead(self, layer + 1, self.next_np)
+            self.engine._copy_ahead(self, layer + 1, self.next_np, self.plan)
         p = self.plan
         if len(p.ahead_experts):  # planned from the forward before (ahead_from "previous")
             self.engine._copy_planned(self, p.ahead_layer, p.ahead_experts, p.ahead_slots)

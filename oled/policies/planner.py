@@ -632,12 +632,18 @@ class Planner:
         """Whether the engine should predict `layer`'s routing in this forward (CopyAhead)."""
         return self.ahead.predicts(layer, self.step)
 
-    def prefetch(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def prefetch(
+        self, layer: int, ids: np.ndarray, after: LayerPlan | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Copy ahead for `layer`'s coming forward: the experts that its predicted routing ids
-        [T, K] names and its cache lacks (Planner._copy_ahead, at most `prefetch_limit`);
-        (experts, slots) to copy now."""
+        [T, K] names and its cache lacks (Planner._copy_ahead, at most `prefetch_limit`; with
+        `after`, the plan of the layer before, no more than the link's spare time behind its
+        copies holds, spare_copies); (experts, slots) to copy now."""
         counts = np.bincount(ids.reshape(-1), minlength=self.num_experts)  # [E]
-        return self._copy_ahead(layer, counts, self.prefetch_limit)
+        limit = self.prefetch_limit
+        if after is not None:
+            limit = min(limit, self.spare_copies(after))
+        return self._copy_ahead(layer, counts, limit)
 
     def _copy_ahead(
         self, layer: int, counts: np.ndarray, limit: int

@@ -49,9 +49,11 @@ class SharePlanner(Planner):
         mine, rows = own_pairs(ids, self.num_experts)
         super().observe(layer, ids[mine][:, None], weights[mine][:, None], self._rows(ctx, rows))
 
-    def prefetch(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def prefetch(
+        self, layer: int, ids: np.ndarray, after: LayerPlan | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         mine, _ = own_pairs(ids, self.num_experts)
-        return super().prefetch(layer, ids[mine][:, None])
+        return super().prefetch(layer, ids[mine][:, None], after)
 
     def _rows(self, ctx: StepContext, rows: np.ndarray) -> StepContext:
         """The forward's context for the kept pairs' rows [N]; the pending prefix rows named

@@ -8,7 +8,10 @@ weights [L, R, K] float16|float32, token_state [R] int8, confidence [R] float32,
 row_offsets [S + 1] int64, block / iteration / step [S] int32; optionally (version 2) the
 router's ranking: ranked_ids [L, R, C] (uint8 like ids) and ranked_scores [L, R, C] uint8, the C
 experts of highest selection score (sigmoid score plus expert bias, before the group limit), best
-first, and their sigmoid scores in steps of 1/255.
+first, and their sigmoid scores in steps of 1/255; optionally (version 3) the next layer's
+predicted routing: ahead_ids [L - 1, R, K] (uint8 like ids), at index l the top-k that MoE layer
+l + 1's router gives layer l's router input (oled.offload.predict.NextLayerRouting: what the
+engine copies ahead from while layer l computes).
 metadata: format "oled-trace", version, num_moe_layers, num_experts, top_k, expert_bytes,
 hidden_size, model_path, prompt_count.
 """
@@ -27,7 +30,7 @@ import numpy as np
 from oled.policies.base import StepContext
 
 FORMAT = "oled-trace"
-VERSION = "2"  # 2: the optional router ranking; version 1 files read as before
+VERSION = "3"  # 2: the optional router ranking; 3: the optional next-layer prediction
 SCORE_STEPS = 255  # ranked_scores on disk: round(score x 255) as uint8
 
 
@@ -76,6 +79,7 @@ class Trace:
     step: np.ndarray  # [S] int32
     ranked_ids: np.ndarray | None = None  # [L, R, C] int16: the router's C best, best first
     ranked_scores: np.ndarray | None = None  # [L, R, C] float32: their sigmoid scores
+    ahead_ids: np.ndarray | None = None  # [L - 1, R, K] int16: layer l + 1's predicted ids
 
     @property
     def ranks(self) -> int:
@@ -91,6 +95,15 @@ class Trace:
         ids = self.ranked_ids[:, a:b].astype(np.int64)
         scores = self.ranked_scores[:, a:b]
         return [(ids[layer], scores[layer]) for layer in range(self.meta.num_moe_layers)]
+
+    def ahead(self, s: int) -> list[np.ndarray] | None:
+        """Per MoE layer l < L - 1, the ids int64 [T, K] that layer l + 1's router gives layer
+        l's router input in step index s (the prediction to copy ahead from), or None where the
+        trace records none."""
+        if self.ahead_ids is None:
+            return None
+        a, b = self.row_offsets[s], self.row_offsets[s + 1]
+        return list(self.ahead_ids[:, a:b].astype(np.int64))
 
     @property
     def num_steps(self) -> int:
@@ -148,6 +161,8 @@ class Trace:
             tensors["ranked_ids"] = np.ascontiguousarray(self.ranked_ids, id_type)
             quantised = np.rint(np.clip(self.ranked_scores, 0, 1) * SCORE_STEPS)
             tensors["ranked_scores"] = np.ascontiguousarray(quantised, np.uint8)
+        if self.ahead_ids is not None:
+            tensors["ahead_ids"] = np.ascontiguousarray(self.ahead_ids, id_type)
         metadata = {"format": FORMAT, "version": VERSION, **self.meta.to_strings()}
         if compress:
             Path(path).write_bytes(lzma.compress(save(tensors, metadata=metadata)))
@@ -163,6 +178,8 @@ class Trace:
         if "ranked_ids" in t:
             t["ranked_ids"] = t["ranked_ids"].astype(np.int16, copy=False)
             t["ranked_scores"] = t["ranked_scores"].astype(np.float32) / SCORE_STEPS
+        if "ahead_ids" in t:
+            t["ahead_ids"] = t["ahead_ids"].astype(np.int16, copy=False)
         return cls(meta=TraceMeta.from_strings(meta), **t)
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from oled.decoding.observers import DecodeObserver, IterationInfo
+from oled.offload.predict import NextLayerRouting
 from oled.progress import track
 
 if TYPE_CHECKING:
@@ -40,10 +41,11 @@ RANKS = 16  # the router's best experts recorded per row (the top-k and those ju
 
 
 def recording(
-    runtime: Runtime, ranks: int = 0
+    runtime: Runtime, ranks: int = 0, *, ahead: bool = False
 ) -> tuple[TraceRecorder, DecodeObserver, Callable[[], None]]:
     """A recorder for `runtime`'s model and the hooks that feed it; with `ranks` > 0 also each
-    row's `ranks` best experts by the router's selection score, and their scores.
+    row's `ranks` best experts by the router's selection score, and their scores; with `ahead`
+    also the next layer's routing predicted from each layer's router input (NextLayerRouting).
 
     Returns (recorder, observer, remove): pass `observer` to `Runtime.stream`; call `remove()`
     to detach the hooks.
@@ -65,8 +67,13 @@ def recording(
 
     removers = [runtime.model.add_routing_hook(hook)]
     ranks = min(ranks, cfg.num_experts)
+    blocks = runtime.model.moe_blocks
+    quiet = _Quiet()
     if ranks:
-        removers += [_rank_hook(block, recorder, ranks) for block in runtime.model.moe_blocks]
+        removers += [_rank_hook(block, recorder, ranks, quiet) for block in blocks]
+    if ahead:
+        predict = NextLayerRouting(runtime.model)
+        removers += [_ahead_hook(block, recorder, predict, quiet) for block in blocks[:-1]]
 
     def remove() -> None:
         for r in removers:
@@ -75,19 +82,48 @@ def recording(
     return recorder, _StepRecorder(recorder), remove
 
 
-def _rank_hook(block: MoE, recorder: TraceRecorder, ranks: int) -> Callable[[], None]:
+class _Quiet:
+    """Set while a hook runs another layer's router, whose own hooks then stay silent."""
+
+    on = False
+
+
+def _rank_hook(
+    block: MoE, recorder: TraceRecorder, ranks: int, quiet: _Quiet
+) -> Callable[[], None]:
     """A forward hook on `block`'s router that hands its `ranks` best experts to `recorder`."""
     from oled.model.layers import router_logits
 
     gate = block.gate
 
     def hook(_module: object, inputs: tuple[Tensor, ...], _out: object) -> None:
+        if quiet.on:
+            return
         scores = torch.sigmoid(router_logits(inputs[0], gate.weight))  # [T, E]
         best = (scores + gate.expert_bias.float()).topk(ranks, dim=-1).indices  # [T, C]
         best_scores = scores.gather(1, best)  # [T, C]
         recorder.record_ranking(block.moe_index, best.cpu().numpy(), best_scores.cpu().numpy())
 
     return gate.register_forward_hook(hook).remove
+
+
+def _ahead_hook(
+    block: MoE, recorder: TraceRecorder, predict: NextLayerRouting, quiet: _Quiet
+) -> Callable[[], None]:
+    """A forward hook on `block`'s router that hands `recorder` the next layer's routing of
+    the same router input, as the engine predicts it to copy ahead."""
+
+    def hook(_module: object, inputs: tuple[Tensor, ...], _out: object) -> None:
+        if quiet.on:
+            return
+        quiet.on = True
+        try:
+            ids = predict(block.moe_index, inputs[0])  # [T, K] of MoE layer moe_index + 1
+        finally:
+            quiet.on = False
+        recorder.record_ahead(block.moe_index, ids.cpu().numpy())
+
+    return block.gate.register_forward_hook(hook).remove
 
 
 def record(
@@ -100,10 +136,11 @@ def record(
     ranks: int = RANKS,
 ) -> Trace:
     """Decode each prompt with `runtime` (its decode settings unless `decode`; committing
-    `follow`'s tokens if given), recording per forward and MoE layer the routing and the
-    router's `ranks` best experts with their scores: the Trace.
+    `follow`'s tokens if given), recording per forward and MoE layer the routing, the
+    router's `ranks` best experts with their scores and the next layer's routing as the
+    engine predicts it from this layer's router input: the Trace.
     `progress`: a bar per prompt on a terminal (oled.progress.track)."""
-    recorder, observer, remove = recording(runtime, ranks)
+    recorder, observer, remove = recording(runtime, ranks, ahead=True)
     try:
         for ids in track(prompt_ids, "recording", show=progress):
             for _ in runtime.stream(ids, decode=decode, observers=[observer], follow=follow):

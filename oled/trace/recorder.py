@@ -39,6 +39,8 @@ class TraceRecorder:
         self._ids: list[np.ndarray] = []  # per step [L, T, K]
         self._weights: list[np.ndarray] = []
         self._ranked: list[tuple[np.ndarray, np.ndarray]] = []  # per step ([L, T, C], [L, T, C])
+        self._pending_ahead: dict[int, np.ndarray] = {}
+        self._ahead: list[np.ndarray] = []  # per step [L - 1, T, K]
         self._ctx: list[StepContext] = []
 
     def new_prompt(self) -> None:
@@ -63,6 +65,15 @@ class TraceRecorder:
             raise ValueError(f"layer {layer} is not a MoE layer of this recorder")
         self._pending_ranked[moe] = (np.asarray(ids, np.int16), np.asarray(scores, np.float32))
 
+    def record_ahead(self, layer: int, ids: np.ndarray) -> None:
+        """The top-k ids [T, K] that MoE layer `layer` + 1's router gives `layer`'s router
+        input in the current forward (optional; recorded for every layer but the last and every
+        forward, or for none)."""
+        moe = layer - self.first_moe_layer
+        if not 0 <= moe < self.meta.num_moe_layers - 1:
+            raise ValueError(f"layer {layer} has no next MoE layer in this recorder")
+        self._pending_ahead[moe] = np.asarray(ids, np.int16)
+
     def record_step(self, ctx: StepContext) -> None:
         """Close the current forward with its context (all MoE layers must have been recorded)."""
         n = self.meta.num_moe_layers
@@ -84,8 +95,12 @@ class TraceRecorder:
             self._ranked.append(
                 (np.stack([r[0] for r in ranked]), np.stack([r[1] for r in ranked]))
             )
+        if self._pending_ahead or self._ahead:
+            if len(self._pending_ahead) != n - 1 or len(self._ahead) != len(self._ctx):
+                raise ValueError(f"step {ctx.step}: a prediction for some forwards or layers only")
+            self._ahead.append(np.stack([self._pending_ahead[i] for i in range(n - 1)]))
         self._ctx.append(ctx)
-        self._pending, self._pending_ranked = {}, {}
+        self._pending, self._pending_ranked, self._pending_ahead = {}, {}, {}
 
     def __len__(self) -> int:
         return len(self._ctx)
@@ -110,4 +125,5 @@ class TraceRecorder:
             step=np.array([c.step for c in self._ctx], np.int32),
             ranked_ids=cat([r[0] for r in self._ranked], axis=1) if self._ranked else None,
             ranked_scores=cat([r[1] for r in self._ranked], axis=1) if self._ranked else None,
+            ahead_ids=cat(self._ahead, axis=1) if self._ahead else None,
         )

@@ -420,3 +420,45 @@ def test_devices_of_a_simulation_share_the_requests(trace_file: Path, anchor: st
     per_forward = [m.num_moe_layers * COST.allreduce_ms(int(b), 2) for b in nbytes]
     assert two.allreduce_ms_per_iteration == pytest.approx(np.mean(per_forward))
     assert two.ms_per_iteration >= two.allreduce_ms_per_iteration > 0
+
+
+def test_a_recorded_trace_holds_the_next_layer_s_predicted_routing(tmp_path) -> None:
+    """Each layer but the last records the top-k that the next layer's router gives its router
+    input (what the engine copies ahead from), row for row; it survives a save."""
+    import torch
+
+    from oled.decoding import DecodeConfig
+    from oled.offload.predict import NextLayerRouting
+    from oled.runtime import load_runtime
+    from oled.trace.record import record
+
+    rt = load_runtime("builtin:tiny", device="cpu", dtype="float32")
+    blocks = rt.model.moe_blocks
+    inputs: list[list[torch.Tensor]] = [[] for _ in blocks]  # per layer, per forward [T, H]
+
+    def capturing(layer: int, route):  # noqa: ANN001, ANN202
+        def wrapped(x: torch.Tensor):  # noqa: ANN202
+            inputs[layer].append(x.reshape(-1, x.shape[-1]).detach().clone())
+            return route(x)
+
+        return wrapped
+
+    for i, b in enumerate(blocks):
+        b.route = capturing(i, b.route)  # the router input of every forward
+    prompt = rt.prompt_ids("What is the capital of France?", chat=True)
+    trace = record(rt, [prompt], decode=DecodeConfig(block_length=8, max_new_tokens=8))
+    for b in blocks:
+        del b.route
+    layers, rows, k = trace.ids.shape
+    assert trace.ahead_ids is not None and trace.ahead_ids.shape == (layers - 1, rows, k)
+    predict = NextLayerRouting(rt.model)
+    for layer in range(layers - 1):
+        calls = inputs[layer]
+        assert [len(x) for x in calls] == np.diff(trace.row_offsets).tolist()
+        want = torch.cat([predict(layer, x) for x in calls]).numpy()  # [R, K]
+        assert np.array_equal(trace.ahead_ids[layer], want)
+    per_step = [trace.ahead(s) for s in range(trace.num_steps)]
+    assert np.array_equal(np.concatenate([a[0] for a in per_step]), trace.ahead_ids[0])
+    trace.save(tmp_path / "again.oledtrace", compress=True)
+    again = Trace.load(tmp_path / "again.oledtrace")
+    assert np.array_equal(again.ahead_ids, trace.ahead_ids)
