@@ -42,7 +42,7 @@ from oled.policies.share import SharePlanner
 from oled.recipe import DEFAULT_MODEL, Recipe, RuntimeSection
 from oled.recipe.schema import RUNTIME
 from oled.threads import MONITOR, ThreadChoice, choose, env_threads, visible_cpus
-from oled.trace.replay import RoutingReplay, special_ids
+from oled.trace.replay import RoutingReplay, special_ids, traced_prediction
 
 if TYPE_CHECKING:
     from oled.model.model import LLaDA2Model
@@ -293,6 +293,10 @@ class Runtime:
             prompt_index, model=self.model, base=self.decode, exclude=special_ids(self.tokenizer)
         )
         self.model.set_routing_override(source.override)
+        engine = self.engine
+        own = engine.predict if engine is not None else None
+        if engine is not None and isinstance(own, NextLayerRouting):
+            engine.predict = traced_prediction(source, own)
         try:
             yield from self.stream(
                 ids,
@@ -303,6 +307,8 @@ class Runtime:
             )
         finally:
             self.model.set_routing_override(None)
+            if engine is not None:
+                engine.predict = own
 
     def replay(
         self,

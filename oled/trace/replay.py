@@ -23,7 +23,8 @@ geometry is checked): arrays `ids` [L, R, K], `weights`
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import warnings
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -284,6 +285,8 @@ class RoutingReplay(DecodeObserver):
         self._weights_host = torch.empty(0, dtype=torch.float32)
         self._loaded: torch.cuda.Event | None = None  # the last copy out of the staging
         self._prompt: ReplayPrompt | None = None
+        self._step = -1  # the trace's step index of the forward being replayed
+        self.warned = False  # said that the trace records no prediction
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -357,7 +360,7 @@ class RoutingReplay(DecodeObserver):
             raise RuntimeError("RoutingReplay: no prompt prepared (use Runtime.replay)")
         if step >= p.steps:
             raise ValueError(f"prompt {p.index} has {p.steps} traced forwards; this is {step + 1}")
-        s = p.first_step + step
+        s = self._step = p.first_step + step
         t = self.trace
         if (int(t.block[s]), int(t.iteration[s])) != (block, iteration):
             raise ValueError(
@@ -391,6 +394,65 @@ class RoutingReplay(DecodeObserver):
 
     def on_generation_end(self) -> None:
         self._prompt = None
+
+    # -- the traced next-layer prediction -------------------------------------------------------
+
+    @property
+    def predicts(self) -> bool:
+        """Whether the trace records the next layer's predicted routing (ahead_ids)."""
+        return getattr(self.trace, "ahead_ids", None) is not None
+
+    def predicted(self, layer: int, rows: int) -> np.ndarray:
+        """The ids [T, K] int64 that MoE layer `layer` + 1's router gave layer `layer`'s router
+        input in the forward being replayed, as the trace recorded them."""
+        ahead = getattr(self.trace, "ahead_ids", None)
+        if ahead is None or self._step < 0:
+            raise RuntimeError("RoutingReplay: no recorded prediction for this forward")
+        t = self.trace
+        a, b = int(t.row_offsets[self._step]), int(t.row_offsets[self._step + 1])
+        if b - a != rows:
+            raise ValueError(f"forward of {rows} rows, the trace's {b - a}: not the traced one")
+        return np.asarray(ahead[layer, a:b], np.int64)
+
+
+class ReplayWarning(UserWarning):
+    """A replay that cannot follow the trace in full (said once per trace)."""
+
+
+Predictor = Callable[[int, Tensor], "Tensor | np.ndarray"]  # the engine's next-layer ids
+
+
+def traced_prediction(replay: RoutingReplay, own: Predictor) -> Predictor:
+    """The next-layer prediction for an engine that predicts with its model's routers (`own`)
+    while it replays: the trace's (TracedPrediction), or `own` with a ReplayWarning, once per
+    trace, where the trace records none."""
+    if replay.predicts:
+        return TracedPrediction(replay)
+    if not replay.warned:
+        replay.warned = True
+        warnings.warn(
+            "the trace records no next-layer prediction (record it again: traces of format 3 "
+            "do); copies ahead follow this model's routers, which route otherwise than the "
+            "trace",
+            ReplayWarning,
+            stacklevel=3,
+        )
+    return own
+
+
+class TracedPrediction:
+    """The engine's next-layer prediction during a replay (oled.offload.predict): the one that
+    the trace recorded for the traced model, not the replaying model's routers (which route
+    otherwise). Known on the host (`on_host`)."""
+
+    on_host = True
+
+    def __init__(self, replay: RoutingReplay) -> None:
+        self.replay = replay
+
+    def __call__(self, layer: int, x: Tensor) -> np.ndarray:
+        """Traced ids [T, K] of MoE layer `layer` + 1 for router input x [T, H]."""
+        return self.replay.predicted(layer, x.shape[0])
 
 
 def commit_token(vocab_size: int, exclude: Collection[int]) -> int:

@@ -3,6 +3,7 @@ commits and confidences, so that recording the replay gives the trace back."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -278,3 +279,56 @@ def test_graphed_replay_runs_the_traced_routing(trace, other_dir, offloaded, mon
     for layer, ids, step in seen[: 3 * 13]:  # prompt 0's forwards
         a, b = trace.row_offsets[step], trace.row_offsets[step + 1]
         assert np.array_equal(ids, trace.ids[layer, a:b])
+
+
+def _copying_ahead(model_dir) -> object:
+    """The model offloaded at half its experts, copying up to 8 experts a layer ahead from the
+    next layer's predicted routing."""
+    return build_runtime(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        cost="cpu-ci",
+        budget=Budget("expert_fraction", 0.5),
+        prefetch=8,
+    )
+
+
+def test_a_replay_copies_ahead_from_the_traced_prediction(trace, other_dir):
+    """The engine predicts from what the trace recorded of the traced model's routers, not
+    from the replaying model's (which route otherwise), then predicts on its own again."""
+    from oled.offload.predict import NextLayerRouting
+
+    rt = _copying_ahead(other_dir)
+    engine = rt.engine
+    asked: list[tuple[int, np.ndarray]] = []
+    real = engine.planner.prefetch
+
+    def prefetch(layer, ids, after=None):  # what the engine copies ahead from
+        asked.append((layer, ids.copy()))
+        return real(layer, ids, after)
+
+    engine.planner.prefetch = prefetch
+    rt.replay(trace, 0)
+    first = split_prompts(trace)[0]
+    recorded = {}  # (layer, rows of a forward) -> the traced prediction
+    for s in range(first.first_step, first.first_step + first.steps):
+        for layer, ids in enumerate(trace.ahead(s)):
+            recorded.setdefault((layer + 1, len(ids)), []).append(ids)
+    assert len(asked) > len(recorded)
+    for layer, ids in asked:
+        assert any(np.array_equal(ids, r) for r in recorded[(layer, len(ids))])
+    assert isinstance(engine.predict, NextLayerRouting)
+
+
+def test_a_trace_without_a_prediction_says_so_once(trace, other_dir):
+    from oled.trace.replay import ReplayWarning
+
+    rt = _copying_ahead(other_dir)
+    old = replace(trace, ahead_ids=None)
+    with pytest.warns(ReplayWarning, match="records no next-layer prediction"):
+        rt.replay(old, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rt.replay(old, 1)
+    assert rt.offload_summary()["hits"] > 0
