@@ -218,10 +218,11 @@ def parser() -> argparse.ArgumentParser:
         "--ahead-from",
         choices=["model", "recorded", "previous"],
         default="model",
-        help="predict the next layer's routing with its router (model), read it from a trace "
-        "of the followed generation (recorded: a perfect prediction, the bound), or copy what "
-        "the next layer routed the forward before, on the link's spare time (previous: also in "
-        "replays of --routing)",
+        help="predict the next layer's routing with its router (model; in replays of "
+        "--routing, the traced model's prediction that the trace recorded), read it from a "
+        "trace of the followed generation (recorded: a perfect prediction, the bound), or copy "
+        "what the next layer routed the forward before (previous: also in replays of "
+        "--routing); either way on the link's spare time",
     )
     ap.add_argument(
         "--profile", action="store_true", help="device time per stage (rows with graphs)"
