@@ -5,8 +5,10 @@
 
 Misses per forward (all MoE layers) and their multiple of Belady's with bypass at the equal
 split; OLED rows use the curves file's split (fitted on the tuning split only). With --ahead:
-copies ahead from the forward before (runtime.ahead_from = "previous"), each row with and
-without them: the modelled iteration, the link's time and the share of it hidden under compute.
+each row without copies ahead, with copies ahead from the forward before (runtime.ahead_from =
+"previous") and, where the trace records the next-layer prediction, from the router's
+(runtime.ahead_from = "router", replayed from the trace): misses per forward, the modelled
+iteration, the link's time and the share of it hidden under compute, copies ahead and used.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 
 from oled import registry
 from oled.policies.base import CostModel
+from oled.policies.planner import AheadFrom
 from oled.trace.format import Trace
 from oled.trace.simulate import belady_bypass, simulate
 
@@ -44,17 +47,25 @@ def build(kind: str, name: str, curves: str) -> object:
 
 
 AHEAD_ROWS = ("LFU", "OLED (curves, LFU)", "  transfer-only")
+# suffix -> (prefetch_limit, ahead_from)
+AHEAD: dict[str, tuple[int, AheadFrom]] = {
+    "": (0, "previous"),
+    " + ahead": (64, "previous"),
+    " + router ahead": (16, "router"),
+}
 
 
 def ahead(trace: Trace, curves: str) -> dict:
-    """Per budget and row, with and without copies ahead from the forward before: modelled
-    ms per forward, link ms per forward, hidden share, copies ahead and used per forward."""
+    """Per budget and row, without copies ahead, with those from the forward before and
+    (where the trace records it) from the router's prediction: misses, modelled ms, link ms
+    per forward, hidden share, copies ahead and used per forward."""
     L, E, S = trace.meta.num_moe_layers, trace.meta.num_experts, trace.num_steps
+    variants = {k: v for k, v in AHEAD.items() if v[1] == "previous" or trace.ahead_ids is not None}
     res: dict = {}
     for budget in BUDGETS:
         cell: dict = {}
         for row in AHEAD_ROWS:
-            for limit in (0, 64):
+            for suffix, (limit, source) in variants.items():
                 names = zip(("allocation", "retention", "compensation"), ROWS[row], strict=True)
                 pol = {k: build(k, n, curves) for k, n in names}
                 sim = simulate(
@@ -62,21 +73,23 @@ def ahead(trace: Trace, curves: str) -> dict:
                     total_slots=round(budget * E) * L,
                     cost=CostModel.profile("h200"),
                     prefetch_limit=limit,
-                    ahead_from="previous",
+                    ahead_from=source,
                     **pol,
                 )
-                cell[f"{row.strip()}{' + ahead' if limit else ''}"] = {
+                cell[row.strip() + suffix] = {
+                    "misses": sum(sim.stats["misses"]) / S,
                     "ms": sim.ms_per_iteration,
                     "link_ms": sim.copy_ms_per_iteration,
                     "hidden": sim.hidden_copy_share,
-                    "ahead": sum(sim.stats["predicted"]) / S,
-                    "used": sum(sim.stats["predicted_hits"]) / S,
+                    "ahead": sim.ahead_per_iteration,
+                    "used": sim.ahead_used_per_iteration,
                 }
         res[budget] = cell
         print(f"{budget:.1%}:")
         for name, v in cell.items():
             print(
-                f"  {name:30s} {v['ms']:6.2f} ms/it, link {v['link_ms']:6.2f} ms/it, "
+                f"  {name:37s} {v['misses']:6.1f} misses/it, {v['ms']:6.2f} ms/it, "
+                f"link {v['link_ms']:6.2f} ms/it, "
                 f"{v['hidden']:4.0%} hidden, ahead {v['ahead']:5.1f}/it ({v['used']:5.1f} used)",
                 flush=True,
             )
@@ -87,14 +100,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="+", type=Path)
     ap.add_argument("--curves", default="recipes/twin/curves-lfu.json")
-    ap.add_argument("--ahead", action="store_true", help="copies ahead from the forward before")
+    ap.add_argument(
+        "--ahead", action="store_true", help="copies ahead: from the forward before, the router"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     out: dict = {}
     if args.ahead:
         for path in args.traces:
-            print(f"\n{path.name}: copies ahead from the forward before (modelled, h200)")
-            out[path.name] = ahead(Trace.load(path), args.curves)
+            trace = Trace.load(path)
+            print(f"\n{path.name}: copies ahead (modelled, h200)")
+            if trace.ahead_ids is None:
+                print("(it records no next-layer prediction: no router rows)")
+            out[path.name] = ahead(trace, args.curves)
         if args.json:
             args.json.write_text(json.dumps(out, indent=1) + "\n")
         return

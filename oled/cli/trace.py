@@ -126,7 +126,10 @@ def simulate_cmd(
     """Replay a trace through policies: misses per forward, Belady's at the same capacities and
     the multiple, modelled latency, copies, CPU share and the share of the link's time hidden
     under compute (the recipe's model, where it is on this machine, must route like the trace).
-    Copies ahead replay with `runtime.ahead_from = "previous"`; the router's need the model.
+    With `runtime.prefetch` > 0, copies ahead replay (per forward, and how many the next layer
+    then needed): `runtime.ahead_from = "router"` from the next-layer prediction the trace
+    records (none where it records none: the table's caption says so), "previous" from the
+    forward before.
     With several devices, each plans its share of the experts with its own cache: the misses
     per forward of each device, and the forward's time as the slowest device's plus the
     modelled all-reduce of every MoE layer."""
@@ -149,6 +152,7 @@ def simulate_cmd(
                 }
             )
     split = (devices or base.runtime.devices) > 1
+    ahead = base.runtime.prefetch > 0
     title = f"{trace_file.name}: {trace.num_steps} forwards"
     if split:
         title += f", {devices or base.runtime.devices} devices"
@@ -161,6 +165,7 @@ def simulate_cmd(
         "x Belady",
         "ms/it (model)",
         "copies/it",
+        *(["ahead/it (used)"] if ahead else []),
         "CPU share",
         "copy time hidden",
         "misses routed before",
@@ -184,10 +189,17 @@ def simulate_cmd(
             f"{misses / least:.2f}x" if least else "-",
             f"{res.ms_per_iteration:.2f}",
             f"{res.copies_per_iteration:.1f}",
+            *(
+                [f"{res.ahead_per_iteration:.1f} ({res.ahead_used_per_iteration:.1f})"]
+                if ahead
+                else []
+            ),
             f"{100 * res.cpu_share:.1f}%",
             f"{100 * res.hidden_copy_share:.0f}%",
             f"{100 * res.misses_routed_before:.0f}%",
         )
+        if ahead:
+            table.caption = f"copies ahead: {res.ahead_source}"
     console.print(table)
 
 

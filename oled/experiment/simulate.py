@@ -17,11 +17,12 @@ def simulate_recipe(
 ) -> tuple[SimResult, float]:
     """Replay `trace` through a recipe's policies and budget (the runtime's budget kinds that
     count slots, sized for the traced model's shape; the recipe's stage capacity and copies
-    ahead from the forward before, `runtime.ahead_from` "previous"): (SimResult,
-    Belady bound). `devices` (default: the recipe's `runtime.devices`): that many devices
-    split the experts, the budget per device over its share. The bound is Belady's at the
-    devices' slots together (a split's hits never exceed it). A ValueError when the recipe's
-    model (where it is on this machine) does not route like the trace."""
+    ahead, `runtime.prefetch` from `runtime.ahead_from`: "previous", the forward before, or
+    "router", the next-layer prediction the trace records): (SimResult, Belady bound).
+    `devices` (default: the recipe's `runtime.devices`): that many devices split the experts,
+    the budget per device over its share. The bound is Belady's at the devices' slots together
+    (a split's hits never exceed it). A ValueError when the recipe's model (where it is on
+    this machine) does not route like the trace."""
     meta = trace.meta
     mismatch = routes_unlike(meta, recipe.model.path)
     if mismatch is not None:

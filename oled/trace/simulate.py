@@ -5,9 +5,17 @@ cost.layer_ms): the GPU computes the hits at once (gpu_ms(hits)); copies run on 
 queue (copy_ms(copies + staged)), then the GPU computes the copied experts (gpu_ms(n)); the
 CPU runs its experts one after another (cpu_layer_ms: the call, then cpu_ms(tokens) each) in
 parallel. The layer ends when
-the GPU and the CPU are both done. Copies ahead into the next layer (LayerPlan.ahead_*) queue
-behind the layer's own; that layer's hits wait for them. Stall = time the GPU waits for copies
-(after its hits, or before them for copies ahead).
+the GPU and the CPU are both done. Copies ahead into the next layer queue behind the layer's
+own; that layer's hits wait for them. Stall = time the GPU waits for copies (after its hits, or
+before them for copies ahead).
+
+Copies ahead (`prefetch_limit` > 0) come from `ahead_from`: "previous", what the next layer
+routed the forward before (LayerPlan.ahead_*, planned with each layer); or "router", the next
+layer's routing as the engine predicts it from the layer's router input, which traces record
+(Trace.ahead): after planning layer l, where the planner predicts layer l + 1
+(Planner.predicts), `Planner.prefetch(l + 1, recorded prediction, after=plan of l)`, as the
+engine does. A trace that records no prediction replays no copies ahead from the router
+(SimResult.ahead_source says so).
 
 With several devices (`devices` > 1, runtime.devices), each device plans its contiguous share
 of every layer's experts on its own planner, policies, budget (per device, over its share) and
@@ -68,6 +76,12 @@ class SimResult:
     # each device's figures (its share's requests, hits, misses, copies, CPU experts, stall)
     per_device: list[dict[str, float]] = field(default_factory=list)
     allreduce_ms_per_iteration: float = 0.0  # modelled, within ms_per_iteration
+    # where copies ahead came from: "router (recorded)" (the trace's recorded prediction),
+    # "previous" (the forward before), "none (the trace records no prediction)" (ahead_from
+    # "router" on a trace without one) or "none" (prefetch_limit 0)
+    ahead_source: str = "none"
+    ahead_per_iteration: float = 0.0  # copies ahead per forward (in copies_per_iteration)
+    ahead_used_per_iteration: float = 0.0  # of those, experts the next layer then needed
 
     def to_dict(self) -> dict:
         """JSON-friendly."""
@@ -107,11 +121,29 @@ class _Clock:
         if len(plan.cpu_experts):
             self.cpu_free = cpu_end
         if len(plan.ahead_experts):
-            ms = float(cost.copy_ms(len(plan.ahead_experts)))
-            self.copy_free = max(t0, self.copy_free) + ms
-            self.copy_busy += ms
-            self.ahead[plan.ahead_layer] = self.copy_free
+            self.copy_ahead(t0, plan.ahead_layer, len(plan.ahead_experts), cost)
         return max(gpu_end, cpu_end)
+
+    def copy_ahead(self, t0: float, layer: int, n: int, cost: CostModel) -> None:
+        """`n` copies ahead into `layer`'s slots, queued behind the copies issued so far in the
+        layer that started at `t0`; `layer`'s hits wait for them."""
+        ms = float(cost.copy_ms(n))
+        self.copy_free = max(t0, self.copy_free) + ms
+        self.copy_busy += ms
+        self.ahead[layer] = self.copy_free
+
+
+ROUTER_RECORDED = "router (recorded)"
+NOT_RECORDED = "none (the trace records no prediction)"
+
+
+def _ahead_source(trace: Trace, prefetch_limit: int, ahead_from: AheadFrom) -> str:
+    """Where a simulation's copies ahead come from (SimResult.ahead_source)."""
+    if prefetch_limit <= 0:
+        return "none"
+    if ahead_from == "previous":
+        return "previous"
+    return ROUTER_RECORDED if trace.ahead_ids is not None else NOT_RECORDED
 
 
 def simulate(
@@ -129,8 +161,10 @@ def simulate(
     fresh_policies: Callable[[], Policies] | None = None,
 ) -> SimResult:
     """Replay `trace` through a fresh Planner built from these policy objects. Copies ahead
-    replay with ahead_from "previous" (the trace's own past forwards); the "router"
-    prediction needs the model, so a replay makes none. `devices` > 1: each device its share
+    (`prefetch_limit` > 0) replay with ahead_from "previous" (the trace's own past forwards)
+    and with "router" from the next-layer prediction the trace records (Trace.ahead); a trace
+    that records none replays no copies ahead from the router (SimResult.ahead_source says
+    which it was). `devices` > 1: each device its share
     of the experts, `total_slots` slots of its own and policies of its own: the first device
     the given ones, each other device `fresh_policies()` (new objects of the same policies),
     or copies of the given ones when it is None."""
@@ -142,6 +176,7 @@ def simulate(
         "retention": retention,
         "compensation": compensation,
     }
+    source = _ahead_source(trace, prefetch_limit, ahead_from)
     fresh = fresh_policies or partial(_copied, given)
     each = [given, *(fresh() for _ in range(1, devices))]  # copied before a planner holds one
     fleet = _Fleet(
@@ -154,16 +189,19 @@ def simulate(
                 cost=cost,
                 total_slots=total_slots,
                 stage_capacity=stage_capacity,
-                prefetch_limit=prefetch_limit if ahead_from == "previous" else 0,
+                prefetch_limit=prefetch_limit if source in ("previous", ROUTER_RECORDED) else 0,
                 ahead_from=ahead_from,
             )
             for rank in range(devices)
         ],
         cost,
         trace,
+        recorded=source == ROUTER_RECORDED,
     )
     drive(trace, fleet, on_step=fleet.on_step)
-    return fleet.result()
+    result = fleet.result()
+    result.ahead_source = source
+    return result
 
 
 def _copied(policies: Policies) -> Policies:
@@ -221,16 +259,30 @@ class _Device:
         return ids if self.local is None else self.local[ids]
 
     def plan(
-        self, layer: int, ids: np.ndarray, weights: np.ndarray, t0: float, cost: CostModel
+        self,
+        layer: int,
+        ids: np.ndarray,
+        weights: np.ndarray,
+        t0: float,
+        cost: CostModel,
+        predicted: np.ndarray | None = None,
     ) -> float:
-        """Plan the layer from `t0` under the load of this device's queues; its end time."""
+        """Plan the layer from `t0` under the load of this device's queues; its end time.
+        `predicted`: the next layer's predicted routing ids [T, K] (global ids), copied ahead
+        from behind this layer's copies where the planner predicts that layer."""
         load = Load(
             copy_queue_ms=max(0.0, self.clock.copy_free - t0),
             cpu_queue_ms=max(0.0, self.clock.cpu_free - t0),
         )
-        p = self.planner.plan(layer, self.ids(ids), weights, load)
+        planner = self.planner
+        p = planner.plan(layer, self.ids(ids), weights, load)
         self.before.count(layer, p)
-        return self.clock.layer(t0, p, cost)
+        end = self.clock.layer(t0, p, cost)
+        if predicted is not None and planner.predicts(layer + 1):
+            experts, _ = planner.prefetch(layer + 1, self.ids(predicted), after=p)
+            if len(experts):
+                self.clock.copy_ahead(t0, layer + 1, len(experts), cost)
+        return end
 
     def figures(self, forwards: int) -> dict[str, float]:
         """This device's figures for the report."""
@@ -250,8 +302,13 @@ class _Fleet:
     """The devices of a simulation, layer by layer: each plans its share; the layer ends when
     the slowest is done and (several devices) the pairs [T, K, H] fp32 are all-reduced."""
 
-    def __init__(self, devices: list[_Device], cost: CostModel, trace: Trace) -> None:
+    def __init__(
+        self, devices: list[_Device], cost: CostModel, trace: Trace, *, recorded: bool = False
+    ) -> None:
+        """`recorded`: copies ahead from the next-layer prediction the trace records."""
         self.devices, self.cost, self.trace = devices, cost, trace
+        self.recorded = recorded
+        self.predicted: list[np.ndarray] | None = None  # the forward's, per layer l < L - 1
         m = trace.meta
         self.step_ms = np.zeros(trace.num_steps)
         self.history = np.zeros((trace.num_steps, m.num_moe_layers), np.int64)
@@ -276,12 +333,15 @@ class _Fleet:
             if ctx.step == 0:  # a new generation: nothing routed before it
                 d.before.reset()
         self.history[s] = np.sum([d.planner.capacities for d in self.devices], axis=0)  # [L]
+        self.predicted = self.trace.ahead(s) if self.recorded else None
         self.t = 0.0
 
     def plan(self, layer: int, ids: np.ndarray, weights: np.ndarray) -> None:
         """Plan one layer (routing ids, weights [T, K]) on every device, from the same start."""
         t0 = self.t + self.cost.layer_ms
-        end = max(d.plan(layer, ids, weights, t0, self.cost) for d in self.devices)
+        nxt = self.predicted
+        predicted = nxt[layer] if nxt is not None and layer < len(nxt) else None
+        end = max(d.plan(layer, ids, weights, t0, self.cost, predicted) for d in self.devices)
         pairs = ids.size * self.trace.meta.hidden_size * 4  # bytes of the [T, K, H] fp32 pairs
         ms = self.cost.allreduce_ms(pairs, len(self.devices))
         self.allreduce += ms
@@ -365,6 +425,8 @@ def _result(
         copies_per_iteration=copies / n,
         gb_copied_per_iteration=copies * cost.expert_bytes / n / 1e9,
         stall_ms=float(clock.stall),
+        ahead_per_iteration=float(st.predicted.sum()) / n,
+        ahead_used_per_iteration=float(st.predicted_hits.sum()) / n,
         copy_ms_per_iteration=clock.copy_busy / n,
         hidden_copy_share=1 - min(clock.stall, clock.copy_busy) / clock.copy_busy
         if clock.copy_busy

@@ -29,6 +29,15 @@ Figures (per MoE layer, then the mean over layers; `None` in the JSON where noth
   s + 1 is the same prompt's, the near misses (experts that masked block rows rank without the
   layer routing to them at s), the experts entering at s + 1 (in its all-rows set, not in s's),
   the share of those that a near miss named, and the share of near misses that enter.
+- next-layer prediction (traces that record it, Trace.ahead_ids): per layer l < L - 1 (the
+  figure's index; layer l + 1 is predicted) and decode step s, the experts the prediction names
+  over every row of s (the top-k that layer l + 1's router gives layer l's router input: what
+  the engine copies ahead from), and against layer l + 1's all-rows set at s: the share of that
+  set the prediction named (recall), the share of the named experts in it (precision); and for
+  decode steps s + 1 of the same prompt as decode step s, the share of layer l + 1's experts
+  entering at s + 1 (in its set, not in s's: what a cache misses at large budgets) that the
+  prediction at s + 1 named. Shares pool the forwards of a layer (named over all), like the
+  ranking's.
 - skew: per layer over every row of the trace, load = routed (row, expert) pairs per expert;
   share of the load taken by the top 10% of experts (ceil(0.1 E)), coefficient of variation
   (std / mean, population std) of the load, experts with no load.
@@ -128,6 +137,13 @@ def _check(trace: Trace, block_length: int, name: str) -> np.ndarray:
         )
     if rows_total and (trace.ids.min() < 0 or trace.ids.max() >= m.num_experts):
         raise ValueError(f"{name}: expert ids outside 0..{m.num_experts - 1}")
+    ahead = trace.ahead_ids
+    if ahead is not None:
+        want = (max(0, m.num_moe_layers - 1), rows_total, m.top_k)
+        if ahead.shape != want:
+            raise ValueError(f"{name}: predicted ids {ahead.shape}, not {want}")
+        if ahead.size and (ahead.min() < 0 or ahead.max() >= m.num_experts):
+            raise ValueError(f"{name}: predicted expert ids outside 0..{m.num_experts - 1}")
     return rows
 
 
@@ -359,6 +375,31 @@ def _ranking(trace: Trace, lay: _Layout, p_all: np.ndarray) -> dict[str, Any] | 
     }
 
 
+def _prediction(trace: Trace, lay: _Layout, p_all: np.ndarray) -> dict[str, Any] | None:
+    """How well the recorded next-layer prediction names the next layer's experts (see the
+    module docstring), per predicting layer l < L - 1; None without a prediction."""
+    if trace.ahead_ids is None:
+        return None
+    S, R, E = len(lay.rows), trace.token_state.shape[0], trace.meta.num_experts
+    ahead = trace.ahead_ids.astype(np.int64)  # [L - 1, R, K]
+    named = _presence(ahead, lay.step_of_row, np.ones(R, bool), S, E)  # [L - 1, S, E]
+    routed = p_all[1:]  # [L - 1, S, E]: the predicted layers' sets
+    d = lay.decode
+    both = (named[:, d] & routed[:, d]).sum((1, 2))  # [L - 1]
+    i = np.zeros(0, np.int64)  # [P] decode steps s whose s + 1 is the same prompt's
+    if S > 1:
+        i = np.flatnonzero(lay.decode[:-1] & (lay.prompt[:-1] == lay.prompt[1:]))
+    entering = routed[:, i + 1] & ~routed[:, i]  # [L - 1, P, E]
+    return {
+        "named": _fig(_col_mean(named.sum(-1).astype(np.float64), d)),
+        "recall": _fig(_ratio(both, routed[:, d].sum((1, 2)))),
+        "precision": _fig(_ratio(both, named[:, d].sum((1, 2)))),
+        "entering_named": _fig(
+            _ratio((entering & named[:, i + 1]).sum((1, 2)), entering.sum((1, 2)))
+        ),
+    }
+
+
 def _size(trace: Trace, lay: _Layout) -> dict[str, Any]:
     """Counts of prompts, forwards, blocks and rows, and the model's shape."""
     m = trace.meta
@@ -406,6 +447,7 @@ def trace_stats(
         "gate_weight": _gate_weight(weights, lay),
         "skew": _skew(ids, E),
         "ranking": _ranking(trace, lay, p_all),
+        "prediction": _prediction(trace, lay, p_all),
     }
 
 
@@ -512,6 +554,16 @@ def _rows() -> list[tuple[str, Any]]:
         ("experts entering at s+1 per layer", ranked("entering", one)),
         ("  share a near miss at s named", ranked("entering_named")),
         ("near misses at s that enter at s+1", ranked("near_misses_entering")),
+    ]
+
+    def predicted(key: str, fmt: str = "{:.3f}") -> Cell:
+        return lambda r: "-" if r.get("prediction") is None else lm("prediction", key, fmt=fmt)(r)
+
+    out += [
+        ("next-layer prediction: experts named/layer", predicted("named", one)),
+        ("  share of layer l+1's experts named (recall)", predicted("recall")),
+        ("  share named that layer l+1 routed (precision)", predicted("precision")),
+        ("  share of layer l+1's entering experts named", predicted("entering_named")),
     ]
     return out
 

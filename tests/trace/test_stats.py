@@ -241,3 +241,56 @@ def test_stats_report_the_router_s_ranking(trace_file) -> None:
     for key in ("entering_named", "near_misses_entering"):
         assert 0 <= ranking[key]["layer_mean"] <= 1
     assert stats_table([res]).row_count > 0
+
+
+def test_stats_report_the_next_layer_s_predicted_routing() -> None:
+    """Layer 1 predicted from layer 0's router input, by hand: recall and precision over the
+    decode steps' sets, and the share of the experts entering layer 1's set that it named."""
+    from dataclasses import replace
+
+    from oled.trace.stats import stats_table
+
+    one = make_trace(PROMPT_1)  # rows per forward 4, 2, 3, 2; forward 0 the prompt's
+    layer1 = [[0, 1]] * 4 + [[0, 1], [2, 3]] + [[0, 1], [4, 5], [4, 6]] + [[4, 5], [7, 8]]
+    ahead = [[0, 1]] * 4 + [[0, 1], [2, 9]] + [[0, 1], [4, 9], [9, 10]] + [[4, 5], [4, 9]]
+    trace = replace(
+        one,
+        meta=replace(one.meta, num_moe_layers=2),
+        ids=np.concatenate([one.ids, np.asarray(layer1, np.int16)[None]]),
+        weights=np.concatenate([one.weights, one.weights]),
+        ahead_ids=np.asarray(ahead, np.int16)[None],
+    )
+    p = trace_stats(trace, block_length=2)["prediction"]
+    # decode steps: routed {0,1,2,3}, {0,1,4,5,6}, {4,5,7,8}; named {0,1,2,9}, {0,1,4,9,10},
+    # {4,5,9}: 3 + 3 + 2 named and routed
+    assert lm(p["named"]) == 4 and p["named"]["per_layer"] == [4.0]
+    assert lm(p["recall"]) == pytest.approx(8 / 13)
+    assert lm(p["precision"]) == pytest.approx(8 / 12)
+    # entering: {4,5,6} at step 2 (4 named), {7,8} at step 3 (none)
+    assert lm(p["entering_named"]) == pytest.approx(1 / 5)
+    cells = _cells(stats_table([trace_stats(trace, block_length=2)]))
+    assert cells["  share of layer l+1's experts named (recall)"] == f"{8 / 13:.3f}"
+    plain = trace_stats(replace(trace, ahead_ids=None), block_length=2)
+    assert plain["prediction"] is None
+    assert _cells(stats_table([plain]))["  share named that layer l+1 routed (precision)"] == "-"
+    with pytest.raises(ValueError, match="predicted ids"):
+        trace_stats(replace(trace, ahead_ids=trace.ahead_ids[:, :3]), block_length=2)
+
+
+def _cells(table) -> dict[str, str]:  # noqa: ANN001
+    """A one-column stats table: {figure: cell}."""
+    labels, values = table.columns[0]._cells, table.columns[1]._cells
+    return dict(zip(labels, values, strict=True))
+
+
+def test_stats_report_the_recorded_prediction(trace_file) -> None:
+    """A recorded trace's next-layer prediction: shares that are shares, most of the next
+    layer's experts named."""
+    from oled.trace.format import Trace
+    from oled.trace.stats import trace_stats
+
+    p = trace_stats(Trace.load(trace_file), block_length=8)["prediction"]
+    assert len(p["recall"]["per_layer"]) == 2  # 3 MoE layers: layers 1 and 2 predicted
+    for key in ("recall", "precision", "entering_named"):
+        assert 0 <= lm(p[key]) <= 1
+    assert lm(p["recall"]) > 0 and lm(p["named"]) > 0

@@ -241,11 +241,94 @@ def test_simulator_replays_copies_ahead_from_the_forward_before() -> None:
     none = simulate(trace, compensation=CpuOnly(), **policies)
     assert none.copies == 0 and none.copy_ms_per_iteration == 0 and sum(none.stats["hits"]) == 0
     assert none.ms_per_iteration > ahead.ms_per_iteration
-    # the router's prediction needs the model: a replay makes none
+    assert ahead.ahead_source == "previous" and none.ahead_source == "none"
+    assert ahead.ahead_per_iteration == ahead.ahead_used_per_iteration == 4 / 4
+    # a trace that records no prediction: the router's copies none, and says so
     router = simulate(trace, compensation=CpuOnly(), prefetch_limit=8, **policies)
-    assert router.copies == 0
+    assert router.copies == 0 and router.ahead_per_iteration == 0
+    assert router.ahead_source == "none (the trace records no prediction)"
     demand = simulate(trace, compensation=TransferOnly(), **policies)
     assert demand.stall_ms > 0 and 0 <= demand.hidden_copy_share < 1
+
+
+def _predicted(trace: Trace, ahead: np.ndarray | None = None) -> Trace:
+    """`trace` with its next-layer prediction recorded: `ahead` [L - 1, R, K], or the next
+    layer's own routing (an exact prediction)."""
+    from dataclasses import replace
+
+    return replace(trace, ahead_ids=trace.ids[1:].copy() if ahead is None else ahead)
+
+
+def test_simulator_replays_the_router_s_recorded_prediction() -> None:
+    """Fresh experts every forward, 4 slots a layer, every miss copied: with an exact
+    prediction layer 1's experts are copied during layer 0 on spare link time (the 4 it
+    names a forward), and layer 1 then hits them all without waiting; the same copies, but
+    the forward is shorter and more of the link's time hidden; two devices copy ahead each
+    its share's."""
+    routed = [np.array([[0, 1], [2, 3]]) + 4 * i for i in range(4)]
+    trace = _predicted(_repeating_trace(routed, [0, 1, 2, 3], layers=2))
+
+    def fresh() -> dict:
+        return dict(
+            allocation=UniformAllocation(), retention=LRURetention(), compensation=TransferOnly()
+        )
+
+    policies = dict(**fresh(), cost=COST, total_slots=2 * 4)
+    demand = simulate(trace, **policies)
+    assert demand.stats["misses"] == [16, 16] and demand.ahead_source == "none"
+    ahead = simulate(trace, prefetch_limit=16, **policies)
+    assert ahead.ahead_source == "router (recorded)"
+    assert ahead.stats["predicted"] == [0, 16] and ahead.stats["predicted_hits"] == [0, 16]
+    assert ahead.stats["misses"] == [16, 0] and ahead.stats["hits"] == [0, 16]
+    assert ahead.ahead_per_iteration == ahead.ahead_used_per_iteration == 4
+    assert ahead.copies == demand.copies == 32  # the same copies, layer 1's a layer early
+    assert ahead.copy_ms_per_iteration == pytest.approx(demand.copy_ms_per_iteration)
+    assert ahead.stall_ms < demand.stall_ms
+    assert ahead.ms_per_iteration < demand.ms_per_iteration
+    assert ahead.hidden_copy_share > demand.hidden_copy_share
+    split = simulate(trace, prefetch_limit=16, devices=2, fresh_policies=fresh, **policies)
+    assert split.stats["predicted"] == split.stats["predicted_hits"] == [0, 16]
+    assert [d["misses"] for d in split.per_device] == [8, 8]  # layer 0's only
+    # without the prediction recorded: none, and the result says so
+    plain = simulate(
+        _repeating_trace(routed, [0, 1, 2, 3], layers=2), prefetch_limit=16, **policies
+    )
+    assert plain.ahead_source == "none (the trace records no prediction)"
+    assert plain.stats == demand.stats and plain.ahead_per_iteration == 0
+
+
+def test_simulator_stops_copying_a_prediction_that_does_not_pay() -> None:
+    """A prediction of experts never routed (12, 13): copied (2 a forward) until its use falls
+    below CopyAhead's min_use (0.8^4 < 0.5 after 4 forwards), then only scored; none is
+    used."""
+    same = np.array([[0, 1], [2, 3]])
+    trace = _repeating_trace([same + 4 * (i % 2) for i in range(8)], list(range(8)), layers=2)
+    wrong = np.broadcast_to(np.array([12, 13], np.int16), (1, 16, 2)).copy()
+    res = simulate(
+        _predicted(trace, wrong),
+        allocation=UniformAllocation(),
+        retention=LRURetention(),
+        compensation=TransferOnly(),
+        cost=COST,
+        total_slots=2 * 4,
+        prefetch_limit=16,
+    )
+    assert res.stats["predicted"] == [0, 2 * 4] and res.stats["predicted_hits"] == [0, 0]
+    assert res.ahead_used_per_iteration == 0 and res.stats["misses"][1] == 8 * 4
+
+
+def test_simulator_replays_a_recorded_trace_s_prediction(trace_file: Path) -> None:
+    """The recorded trace of the built-in model: copies ahead from its prediction, some of
+    them used, under the same budget as without."""
+    trace = Trace.load(trace_file)
+    assert trace.ahead_ids is not None
+    settings = {"cost": COST, "total_slots": 3 * 16, **anchor_policies("oled")}
+    plain = simulate(trace, **settings)
+    ahead = simulate(trace, prefetch_limit=16, **settings)
+    assert ahead.ahead_source == "router (recorded)"
+    assert 0 < ahead.ahead_used_per_iteration <= ahead.ahead_per_iteration
+    assert sum(ahead.stats["predicted"]) == round(ahead.ahead_per_iteration * trace.num_steps)
+    assert sum(ahead.capacities) == sum(plain.capacities) and plain.ahead_per_iteration == 0
 
 
 def test_simulator_runtime_bound() -> None:

@@ -186,3 +186,24 @@ def test_simulate_refuses_a_trace_of_another_routing(tmp_path, tiny_dir):
         "does not match the model's (3 MoE layers x 32 experts, top-4) "
         f"(model.path {tiny_dir})"
     )
+
+
+def test_simulate_replays_copies_ahead_from_the_recorded_prediction(tmp_path, tiny_dir, trace_file):
+    """`runtime.prefetch` > 0 on a recorded trace: copies ahead per forward (and used) beside
+    the copies, and where they came from: the trace's prediction, or the forward before."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        f'[model]\npath = "{tiny_dir}"\n[runtime]\nbudget = {{ expert_fraction = 0.5 }}\n'
+        'cost = "h200"\nprefetch = 16\n'
+    )
+    cmd = ["simulate", str(trace_file), "--recipe", str(recipe)]
+    res = CliRunner().invoke(app, cmd, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "ahead/it (used)" in res.output and "copies ahead: router (recorded)" in res.output
+    row = next(line for line in res.output.splitlines() if line.startswith("│ recipe"))
+    ahead, used = map(float, row.split("│")[7].replace("(", "").replace(")", "").split())
+    assert 0 < used <= ahead
+    res = CliRunner().invoke(
+        app, [*cmd, "--set", "runtime.ahead_from=previous"], env={"COLUMNS": "200"}
+    )
+    assert res.exit_code == 0 and "copies ahead: previous" in res.output, res.output
