@@ -13,7 +13,7 @@ import torch
 
 from oled.model.presets import init_checkpoint
 from oled.offload.budget import Budget
-from oled.runtime import build_runtime, load_runtime
+from oled.runtime import Runtime, build_runtime, load_runtime
 from oled.trace.format import Trace
 from oled.trace.record import record_replay
 from oled.trace.replay import (
@@ -64,6 +64,13 @@ def assert_same_trace(again: Trace, trace: Trace) -> None:
         assert np.array_equal(a, b), name
 
 
+def offloaded(model_dir, budget: Budget, **runtime) -> Runtime:
+    """The checkpoint at `model_dir` offloaded on the CPU (fp32, the CI cost profile)."""
+    return build_runtime(
+        model=str(model_dir), device="cpu", dtype="float32", cost="cpu-ci", budget=budget, **runtime
+    )
+
+
 @pytest.fixture(scope="module")
 def trace(trace_file) -> Trace:
     return Trace.load(trace_file)
@@ -99,14 +106,7 @@ def test_replay_on_the_recording_checkpoint_records_the_trace_again(trace):
 def test_replay_offloaded_on_another_checkpoint_records_the_trace_again(trace, other_dir):
     """Another seed and hidden size, a quarter of the experts on the device, OLED's policies
     (confidence-guided retention): the same routing, schedule and confidences."""
-    rt = build_runtime(
-        model=str(other_dir),
-        device="cpu",
-        dtype="float32",
-        cost="cpu-ci",
-        budget=Budget("expert_fraction", 0.25),
-        stage_capacity=2,
-    )
+    rt = offloaded(other_dir, Budget("expert_fraction", 0.25), stage_capacity=2)
     seen = []
     real = rt.executor.planner.observe
 
@@ -128,14 +128,7 @@ def test_replay_offloaded_on_another_checkpoint_records_the_trace_again(trace, o
 
 
 def test_selected_prompts_and_cpu_experts(trace, tiny_dir):
-    rt = build_runtime(
-        model=str(tiny_dir),
-        device="cpu",
-        dtype="float32",
-        cost="cpu-ci",
-        budget=Budget("expert_budget", 3),
-        stage_capacity=1,
-    )
+    rt = offloaded(tiny_dir, Budget("expert_budget", 3), stage_capacity=1)
     again = record_replay(rt, trace, [1])
     assert_same_trace(again, prompts_of(trace, [1]))
     assert rt.stats()["cpu_experts"] + rt.stats()["copies"] > 0
@@ -281,17 +274,10 @@ def test_graphed_replay_runs_the_traced_routing(trace, other_dir, offloaded, mon
         assert np.array_equal(ids, trace.ids[layer, a:b])
 
 
-def _copying_ahead(model_dir) -> object:
+def _copying_ahead(model_dir) -> Runtime:
     """The model offloaded at half its experts, copying up to 8 experts a layer ahead from the
     next layer's predicted routing."""
-    return build_runtime(
-        model=str(model_dir),
-        device="cpu",
-        dtype="float32",
-        cost="cpu-ci",
-        budget=Budget("expert_fraction", 0.5),
-        prefetch=8,
-    )
+    return offloaded(model_dir, Budget("expert_fraction", 0.5), prefetch=8)
 
 
 def test_a_replay_copies_ahead_from_the_traced_prediction(trace, other_dir):
