@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -654,18 +655,8 @@ def make_engine(
     make_planner(share=True); its layer calls launch from Python)."""
     routers = planner.prefetch_limit and planner.ahead_from == "router"
     predict = NextLayerRouting(ckpt.model) if routers else None
-    if split is not None:
-        if driver:
-            raise ValueError("layer calls cannot launch from C with runtime.devices > 1")
-        return ShardedEngine(
-            store=ckpt.experts,
-            device=dev,
-            planner=planner,
-            split=split,
-            predict=predict,
-            encoded=encoded,
-        )
-    return OffloadEngine(
+    kind = OffloadEngine if split is None else partial(ShardedEngine, split=split)
+    return kind(
         store=ckpt.experts,
         device=dev,
         planner=planner,

@@ -38,9 +38,13 @@ class ShardedEngine(OffloadEngine):
         planner: Planner,
         split: Split,
         predict: Callable[[int, Tensor], Tensor | np.ndarray] | None = None,
+        driver: bool | None = None,
         encoded: EncodedCopies | None = None,
     ) -> None:
-        """As OffloadEngine's, over `split`'s share (`store` and `planner` of its experts)."""
+        """As OffloadEngine's, over `split`'s share (`store` and `planner` of its experts);
+        `driver` True is refused (its layer calls launch from Python)."""
+        if driver:
+            raise ParallelError("layer calls cannot launch from C with runtime.devices > 1")
         if store.num_experts != split.per or planner.num_experts != split.per:
             raise ParallelError(
                 f"a store of {store.num_experts} experts and a planner of "

@@ -458,9 +458,6 @@ class _RoutedBefore:
             self.seen += int(np.isin(plan.misses, last, assume_unique=True).sum())
         self.last[layer] = np.union1d(plan.hits, plan.misses)  # every expert it routed
 
-    def share(self) -> float:
-        return self.seen / self.misses if self.misses else 0.0
-
 
 # -- Belady with bypass --------------------------------------------------------------------
 

@@ -349,6 +349,15 @@ def _skew(ids: np.ndarray, experts: int) -> dict[str, Any]:
     }
 
 
+def _entering(lay: _Layout, sets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(i [P]: the decode steps s whose s + 1 is the same prompt's, the experts entering at
+    s + 1 [L, P, E]: in the set at s + 1, not in the set at s) of per-step sets [L, S, E]."""
+    i = np.zeros(0, np.int64)
+    if len(lay.rows) > 1:
+        i = np.flatnonzero(lay.decode[:-1] & (lay.prompt[:-1] == lay.prompt[1:]))
+    return i, sets[:, i + 1] & ~sets[:, i]
+
+
 def _ranking(trace: Trace, lay: _Layout, p_all: np.ndarray) -> dict[str, Any] | None:
     """What the router's ranking below the top-k says about the next forward: per decode step s
     whose s + 1 is the same prompt's, the experts that masked rows rank (1..C) without routing
@@ -360,10 +369,7 @@ def _ranking(trace: Trace, lay: _Layout, p_all: np.ndarray) -> dict[str, Any] | 
     ranked = trace.ranked_ids.astype(np.int64)  # [L, R, C]
     masked = lay.block_row & (trace.token_state == TOKEN_MASKED)  # [R]
     near = _presence(ranked, lay.step_of_row, masked, S, E) & ~p_all  # [L, S, E]
-    i = np.zeros(0, np.int64)  # [P] decode steps s whose s + 1 is the same prompt's
-    if S > 1:
-        i = np.flatnonzero(lay.decode[:-1] & (lay.prompt[:-1] == lay.prompt[1:]))
-    entering = p_all[:, i + 1] & ~p_all[:, i]  # [L, P, E]
+    i, entering = _entering(lay, p_all)  # [P], [L, P, E]
     named = (entering & near[:, i]).sum(-1)  # [L, P]
     every = np.ones(len(i), bool)
     return {
@@ -386,10 +392,7 @@ def _prediction(trace: Trace, lay: _Layout, p_all: np.ndarray) -> dict[str, Any]
     routed = p_all[1:]  # [L - 1, S, E]: the predicted layers' sets
     d = lay.decode
     both = (named[:, d] & routed[:, d]).sum((1, 2))  # [L - 1]
-    i = np.zeros(0, np.int64)  # [P] decode steps s whose s + 1 is the same prompt's
-    if S > 1:
-        i = np.flatnonzero(lay.decode[:-1] & (lay.prompt[:-1] == lay.prompt[1:]))
-    entering = routed[:, i + 1] & ~routed[:, i]  # [L - 1, P, E]
+    i, entering = _entering(lay, routed)  # [P], [L - 1, P, E]
     return {
         "named": _fig(_col_mean(named.sum(-1).astype(np.float64), d)),
         "recall": _fig(_ratio(both, routed[:, d].sum((1, 2)))),
@@ -546,8 +549,15 @@ def _rows() -> list[tuple[str, Any]]:
         ),
     ]
 
-    def ranked(key: str, fmt: str = "{:.3f}") -> Cell:
-        return lambda r: "-" if r["ranking"] is None else lm("ranking", key, fmt=fmt)(r)
+    def optional(section: str) -> Callable[..., Cell]:
+        """Cells of a section that traces may lack ("-" where they do)."""
+
+        def cell(key: str, fmt: str = "{:.3f}") -> Cell:
+            return lambda r: "-" if r.get(section) is None else lm(section, key, fmt=fmt)(r)
+
+        return cell
+
+    ranked, predicted = optional("ranking"), optional("prediction")
 
     out += [
         ("near misses/layer (ranked by masked rows, not routed)", ranked("near_misses", one)),
@@ -555,9 +565,6 @@ def _rows() -> list[tuple[str, Any]]:
         ("  share a near miss at s named", ranked("entering_named")),
         ("near misses at s that enter at s+1", ranked("near_misses_entering")),
     ]
-
-    def predicted(key: str, fmt: str = "{:.3f}") -> Cell:
-        return lambda r: "-" if r.get("prediction") is None else lm("prediction", key, fmt=fmt)(r)
 
     out += [
         ("next-layer prediction: experts named/layer", predicted("named", one)),
