@@ -5,9 +5,13 @@ machine, both again while pinned copies to the GPU run at full rate.
 
 One MoE layer of LLaDA2.0-mini's shape (256 experts, 1.6 GB in bf16) in pinned host memory; each
 call takes other experts than the last, so their weights come from memory, not from the caches.
+Beside each thread count, the ceiling: a plain read of the same experts' bytes, 8 a call, on the C
+kernel's threads (`cpu.read`).
 
 Usage: python tools/bench_cpu_experts.py [--threads 1,4,8,16] [--tokens 1,2,4,8,16,32,64]
-    [--out FILE.json]
+    [--kernels auto,torch] [--no-copies] [--out FILE.json]
+e.g. the C kernel alone, cold experts, 1 and 2 threads:
+    python tools/bench_cpu_experts.py --threads 1,2 --tokens 1,2,4,8 --per-call 8 --kernels auto
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64", help="tokens per expert")
     ap.add_argument("--per-call", default="1,8", help="experts per call")
     ap.add_argument("--seconds", type=float, default=0.3, help="timed per row")
+    ap.add_argument("--kernels", default="auto,torch", help="auto: the C kernel; torch")
+    ap.add_argument("--no-copies", action="store_true", help="skip the rows beside GPU copies")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     cfg = mini_config()
@@ -56,19 +62,24 @@ def main() -> None:
     for t in threads:
         rows.append({"what": "host read", "threads": t, "gbs": read_bandwidth(t, args.seconds)})
         print(f"host read, {t} threads: {rows[-1]['gbs']:.1f} GB/s", flush=True)
+        if cpu.unsupported(w13[0, 0], w13, w2) is None:
+            gbs = same_bytes(w13, w2, t, 8, args.seconds)
+            rows.append({"what": "expert bytes read", "threads": t, "experts": 8, "gbs": gbs})
+            print(f"read of 8 experts' weights a call, {t} threads: {gbs:.1f} GB/s", flush=True)
     print(
         f"{'kernel':6s} {'threads':>7s} {'experts':>7s} {'tokens':>6s} {'ms/expert':>9s} {'GB/s':>6s}"
     )
     grid = [
         (e, n) for e in map(int, args.per_call.split(",")) for n in map(int, args.tokens.split(","))
     ]
-    for mode in ("auto", "torch"):
+    modes = args.kernels.split(",")
+    for mode in modes:
         for t in threads:
             for per_call, tokens in grid:
                 rows.append(timed(w13, w2, mode, t, per_call, tokens, args.seconds))
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not args.no_copies:
         copies = Copies(w13, w2)
-        for mode in ("auto", "torch"):
+        for mode in modes:
             for per_call, tokens in [(8, 1), (8, 2), (8, 4), (8, 8)]:
                 copies.start()
                 rows.append(timed(w13, w2, mode, threads[-1], per_call, tokens, args.seconds))
@@ -92,6 +103,24 @@ def read_bandwidth(threads: int, seconds: float) -> float:
         big.sum()
         n += 1
     return n * big.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+
+def same_bytes(w13, w2, threads: int, per_call: int, seconds: float) -> float:
+    """GB/s of a plain read of `per_call` experts' weights a call (other experts each call, as
+    in `timed`) on the kernel's threads: the ceiling of a kernel that streams them."""
+    torch.set_num_threads(threads)
+    e = w13.shape[0]
+    nbytes = (w13[0].numel() + w2[0].numel()) * 2 * per_call
+    calls, first, spent = 0, 0, 0.0
+    while spent < seconds or calls < 3:
+        experts = (first + torch.arange(per_call)) % e
+        first = (first + per_call) % e
+        t0 = time.perf_counter()
+        cpu.read(experts, w13, w2)
+        if calls >= 2:
+            spent += time.perf_counter() - t0
+        calls += 1
+    return nbytes * (calls - 2) / spent / 1e9
 
 
 def timed(w13, w2, mode: str, threads: int, per_call: int, tokens: int, seconds: float) -> dict:

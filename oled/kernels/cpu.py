@@ -41,8 +41,9 @@ MAX_TOKENS = 8  # experts with more pairs go to torch's matrix products (faster 
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.oled_experts.restype = ctypes.c_int64
-    lib.oled_experts.argtypes = [ctypes.c_void_p]
+    for fn in (lib.oled_experts, lib.oled_experts_read):
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.c_void_p]
 
 
 LIBRARY = Library(
@@ -167,3 +168,23 @@ def expert_rows(
     assert not isinstance(lib, NativeUnavailable), "call `unsupported` first"
     lib.oled_experts(ctypes.byref(job))
     return out
+
+
+def read(experts: Tensor, w13: Tensor, w2: Tensor) -> int:
+    """Read these experts' weights (experts [G] int64, rows of w13/w2) once, as `expert_rows`
+    streams them, on the same threads: the ceiling of its speed (for benchmarks). Returns the
+    sum of their 64-bit words (mod 2**64, signed). Call `unsupported` first."""
+    experts = experts.to(torch.int64).contiguous()
+    job = JOB.ctype(
+        hidden=w13.shape[-1],
+        inter=w2.shape[-1],
+        groups=len(experts),
+        threads=torch.get_num_threads(),
+        w13=w13.data_ptr(),
+        w2=w2.data_ptr(),
+        expert=experts.data_ptr(),
+        parallel=team(),
+    )
+    lib = _library()
+    assert not isinstance(lib, NativeUnavailable), "call `unsupported` first"
+    return lib.oled_experts_read(ctypes.byref(job))

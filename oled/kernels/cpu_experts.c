@@ -9,11 +9,13 @@
  * Work comes in three phases, each split into items that the threads take in turn: (0) the
  * pairs' activations to fp32, (1) per expert and block of intermediate rows, the gate and up rows
  * and the SwiGLU product, (2) per expert and block of hidden rows, the down rows times the pair's
- * gate weight. Rounding follows the resident path's points (oled.model.experts._weighted_mlp):
- * the gate/up product, the SiLU, the SwiGLU product and the down product each round to the
- * weights' dtype; sums run in fp32. One row's sum is one thread's: 16 lanes over the row (fused
- * multiply-adds where the CPU has them), then a fixed tree, so the result is the same for every
- * thread count and vector width.
+ * gate weight; and, for benchmarks, (3) a plain read of the weights. A block's rows are read from
+ * memory once, prefetched into L2, several rows at a time against up to 8 tokens whose rows stay
+ * in L1 (more tokens pass over the block again, from L2). Rounding follows the resident path's
+ * points (oled.model.experts._weighted_mlp): the gate/up product, the SiLU, the SwiGLU product
+ * and the down product each round to the weights' dtype; sums run in fp32. One row's sum is one
+ * thread's: 16 lanes over the row (fused multiply-adds where the CPU has them), then a fixed
+ * tree, so the result is the same for every thread count and vector width.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -21,14 +23,19 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define OLED_EXPERTS_CONTRACT
 #include "experts_state.h"
 
 #define LANES 16 /* fp32 lanes of one row's partial sums */
-#define TOKENS 4 /* tokens whose sums share one pass over a row */
+#define TOKENS 8 /* tokens whose sums share one pass over the rows */
 #define ROWS 16  /* rows per work item */
-#define AHEAD 1024 /* weights prefetched this many values ahead (into the rows that follow) */
+#define AHEAD 4096 /* weights prefetched this many values ahead (into the rows that follow) */
+#define KEEP 1     /* their locality: into L2 (a non-temporal prefetch would leave L2 out) */
+#define X_BYTES 32768 /* fp32 token rows kept in L1 across a block's rows */
 
 /* -- numbers ----------------------------------------------------------------------------------- */
 
@@ -51,9 +58,14 @@ typedef uint32_t lanes_u32 __attribute__((vector_size(4 * LANES)));
 typedef uint16_t lanes_u16 __attribute__((vector_size(2 * LANES)));
 
 static inline lanes load16(const uint16_t *p) {
+#ifdef __AVX512F__
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16); /* one widening per 16 */
+#else
     lanes_u16 h;
     memcpy(&h, p, sizeof h);
     lanes_u32 u = __builtin_convertvector(h, lanes_u32) << 16;
+#endif
     lanes f;
     memcpy(&f, &u, sizeof f);
     return f;
@@ -73,49 +85,61 @@ static inline float lane_sum(lanes v) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-/* Sums of `rows` (1 or 2) weight rows (n values each, n a multiple of LANES) with TG token rows
- * of x (stride xs): out[r * TOKENS + t]. */
-#define DOTS(NAME, WTYPE, LOAD, TG)                                                              \
-    static void NAME##_##TG(const WTYPE *const *w, int rows, const float *x, int64_t xs,         \
-                            int64_t n, float *out) {                                             \
-        lanes acc[2][TG] = {{{0}}};                                                              \
-        if (rows == 2) {                                                                         \
-            for (int64_t k = 0; k < n; k += LANES) {                                             \
-                __builtin_prefetch(w[0] + k + AHEAD, 0, 0);                                      \
-                __builtin_prefetch(w[1] + k + AHEAD, 0, 0);                                      \
-                lanes a = LOAD(w[0] + k), b = LOAD(w[1] + k);                                    \
-                for (int t = 0; t < TG; t++) {                                                   \
-                    lanes xv = load32(x + t * xs + k);                                           \
-                    acc[0][t] += xv * a;                                                         \
-                    acc[1][t] += xv * b;                                                         \
-                }                                                                                \
-            }                                                                                    \
-        } else {                                                                                 \
-            for (int64_t k = 0; k < n; k += LANES) {                                             \
-                __builtin_prefetch(w[0] + k + AHEAD, 0, 0);                                      \
-                lanes a = LOAD(w[0] + k);                                                        \
-                for (int t = 0; t < TG; t++) acc[0][t] += load32(x + t * xs + k) * a;            \
-            }                                                                                    \
+/* Sums of R weight rows w[r] (n values each, n a multiple of LANES) with TG token rows of x
+ * (stride xs): out[r * TOKENS + t]. */
+typedef void dots_fn(const uint16_t *const *w, const float *x, int64_t xs, int64_t n, float *out);
+
+#define STEP(R, TG, K)                                                                           \
+    for (int r = 0; r < R; r++) {                                                                \
+        lanes a = load16(w[r] + (K));                                                            \
+        for (int t = 0; t < TG; t++) acc[r][t] += load32(x + t * xs + (K)) * a;                  \
+    }
+#define DOTS(R, TG)                                                                              \
+    static void dots_##R##_##TG(const uint16_t *const *w, const float *x, int64_t xs, int64_t n, \
+                                float *out) {                                                    \
+        lanes acc[R][TG] = {{{0}}};                                                              \
+        int64_t k = 0;                                                                           \
+        for (; k + 2 * LANES <= n; k += 2 * LANES) {                                             \
+            for (int r = 0; r < R; r++) __builtin_prefetch(w[r] + k + AHEAD, 0, KEEP);           \
+            STEP(R, TG, k)                                                                       \
+            STEP(R, TG, k + LANES)                                                               \
         }                                                                                        \
-        for (int r = 0; r < rows; r++)                                                           \
+        if (k < n) {                                                                             \
+            STEP(R, TG, k)                                                                       \
+        }                                                                                        \
+        for (int r = 0; r < R; r++)                                                              \
             for (int t = 0; t < TG; t++) out[r * TOKENS + t] = lane_sum(acc[r][t]);              \
     }
-DOTS(dots16, uint16_t, load16, 1)
-DOTS(dots16, uint16_t, load16, 2)
-DOTS(dots16, uint16_t, load16, 3)
-DOTS(dots16, uint16_t, load16, 4)
+#define DOTS_TG(R)                                                                               \
+    DOTS(R, 1) DOTS(R, 2) DOTS(R, 3) DOTS(R, 4) DOTS(R, 5) DOTS(R, 6) DOTS(R, 7) DOTS(R, 8)
+DOTS_TG(1)
+DOTS_TG(2)
+DOTS_TG(4)
+#define DOTS_ROW(R)                                                                              \
+    {dots_##R##_1, dots_##R##_2, dots_##R##_3, dots_##R##_4,                                     \
+     dots_##R##_5, dots_##R##_6, dots_##R##_7, dots_##R##_8}
+static dots_fn *const DOTS_FN[3][TOKENS] = {DOTS_ROW(1), DOTS_ROW(2), DOTS_ROW(4)};
 
-/* Up to two bf16 weight rows (`rows`) at element offsets `at` of the table `base` against
- * `tg` <= TOKENS token rows of x: out[r * TOKENS + t]. */
+/* R (1, 2 or 4) bf16 weight rows at element offsets `at` of the table `base` against `tg` <=
+ * TOKENS token rows of x: out[r * TOKENS + t]. */
 static void dots(const void *base, const int64_t *at, int rows, const float *x, int64_t xs,
                  int64_t n, int tg, float *out) {
-    const uint16_t *w[2] = {(const uint16_t *)base + at[0], (const uint16_t *)base + at[1]};
-    switch (tg) {
-    case 1: dots16_1(w, rows, x, xs, n, out); break;
-    case 2: dots16_2(w, rows, x, xs, n, out); break;
-    case 3: dots16_3(w, rows, x, xs, n, out); break;
-    default: dots16_4(w, rows, x, xs, n, out); break;
-    }
+    const uint16_t *w[4];
+    for (int r = 0; r < rows; r++) w[r] = (const uint16_t *)base + at[r];
+    DOTS_FN[rows == 4 ? 2 : rows - 1][tg - 1](w, x, xs, n, out);
+}
+
+/* Rows taken together for tg tokens: more while the accumulators fit in the registers. */
+static inline int together(int tg) { return tg <= 4 ? 4 : 2; }
+
+/* Tokens of one pass over a block of rows (n values each) out of `left`: as many as keep their
+ * fp32 rows within X_BYTES (in the L1 cache across the block's rows), in passes of even size. */
+static inline int pass_tokens(int64_t left, int64_t n) {
+    int64_t most = X_BYTES / (4 * n), passes;
+    if (most < 1) most = 1;
+    if (most > TOKENS) most = TOKENS;
+    passes = (left + most - 1) / most;
+    return (int)((left + passes - 1) / passes);
 }
 
 /* -- the three phases -------------------------------------------------------------------------- */
@@ -136,18 +160,24 @@ static void widen(const ExpertJob *j, int64_t p) {
 static void swiglu(const ExpertJob *j, int64_t g, int64_t r0) {
     int64_t h = j->hidden, in = j->inter, e = j->expert[g];
     int64_t p0 = j->offs[g], p1 = j->offs[g + 1], r1 = r0 + ROWS < in ? r0 + ROWS : in;
-    float sums[2 * TOKENS];
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t at[2] = {(e * 2 * in + r) * h, (e * 2 * in + in + r) * h}; /* gate, up rows */
-        for (int64_t p = p0; p < p1; p += TOKENS) {
-            int tg = p1 - p < TOKENS ? (int)(p1 - p) : TOKENS;
-            dots(j->w13, at, 2, j->xf + p * h, h, h, tg, sums);
-            for (int t = 0; t < tg; t++) {
-                float gate = round_bf16(sums[t]), up = round_bf16(sums[TOKENS + t]);
-                float silu = round_bf16(gate / (1.0f + expf(-gate)));
-                j->act[(p + t) * in + r] = round_bf16(silu * up);
-            }
+    float sums[4 * TOKENS];
+    for (int64_t p = p0; p < p1;) {
+        int tg = pass_tokens(p1 - p, h);
+        for (int64_t r = r0; r < r1;) {
+            int m = together(tg) / 2 < r1 - r ? together(tg) / 2 : (int)(r1 - r); /* of each */
+            int64_t gate = (e * 2 * in + r) * h, up = gate + in * h, at[4];
+            for (int q = 0; q < m; q++) at[q] = gate + q * h, at[m + q] = up + q * h;
+            dots(j->w13, at, 2 * m, j->xf + p * h, h, h, tg, sums);
+            for (int q = 0; q < m; q++)
+                for (int t = 0; t < tg; t++) {
+                    float gv = round_bf16(sums[q * TOKENS + t]);
+                    float uv = round_bf16(sums[(m + q) * TOKENS + t]);
+                    float silu = round_bf16(gv / (1.0f + expf(-gv)));
+                    j->act[(p + t) * in + r + q] = round_bf16(silu * uv);
+                }
+            r += m;
         }
+        p += tg;
     }
 }
 
@@ -156,18 +186,45 @@ static void swiglu(const ExpertJob *j, int64_t g, int64_t r0) {
 static void down(const ExpertJob *j, int64_t g, int64_t r0) {
     int64_t h = j->hidden, in = j->inter, e = j->expert[g];
     int64_t p0 = j->offs[g], p1 = j->offs[g + 1], r1 = r0 + ROWS < h ? r0 + ROWS : h;
-    float sums[2 * TOKENS];
-    for (int64_t r = r0; r < r1; r += 2) {
-        int rows = r + 1 < r1 ? 2 : 1;
-        int64_t at[2] = {(e * h + r) * in, (e * h + r + rows - 1) * in};
-        for (int64_t p = p0; p < p1; p += TOKENS) {
-            int tg = p1 - p < TOKENS ? (int)(p1 - p) : TOKENS;
+    float sums[4 * TOKENS];
+    for (int64_t p = p0; p < p1;) {
+        int tg = pass_tokens(p1 - p, in);
+        for (int64_t r = r0; r < r1;) {
+            int rows = together(tg);
+            while (rows > r1 - r) rows /= 2;
+            int64_t at[4];
+            for (int q = 0; q < rows; q++) at[q] = (e * h + r + q) * in;
             dots(j->w2, at, rows, j->act + p * in, in, in, tg, sums);
             for (int q = 0; q < rows; q++)
                 for (int t = 0; t < tg; t++)
                     j->out[(p + t) * h + r + q] = round_bf16(sums[q * TOKENS + t]) * j->weight[p + t];
+            r += rows;
         }
+        p += tg;
     }
+}
+
+/* Phase 3 (the ceiling that benchmarks set the others against): a plain read of group g's
+ * weights, bytes [c * READ, (c + 1) * READ) of its w13 then its w2 rows. */
+#define READ 65536
+typedef uint64_t words __attribute__((vector_size(64)));
+static _Atomic uint64_t read_sum;
+
+static void read_block(const ExpertJob *j, int64_t g, int64_t c) {
+    int64_t e = j->expert[g], n13 = 2 * j->inter * j->hidden * 2, n2 = j->hidden * j->inter * 2;
+    int64_t b13 = (n13 + READ - 1) / READ, at = (c < b13 ? c : c - b13) * READ;
+    const char *base = c < b13 ? (const char *)j->w13 + e * n13 : (const char *)j->w2 + e * n2;
+    int64_t end = c < b13 ? n13 : n2;
+    end = at + READ < end ? at + READ : end;
+    words s = {0};
+    for (int64_t k = at; k < end; k += sizeof s) {
+        words v;
+        memcpy(&v, base + k, sizeof v);
+        s += v;
+    }
+    uint64_t t = 0;
+    for (int l = 0; l < 8; l++) t += s[l];
+    atomic_fetch_add(&read_sum, t);
 }
 
 /* -- the pool ---------------------------------------------------------------------------------- */
@@ -198,8 +255,10 @@ static void run_item(const Work *w, int64_t i) {
         widen(w->job, i);
     else if (w->phase == 1)
         swiglu(w->job, i / w->blocks, (i % w->blocks) * ROWS);
-    else
+    else if (w->phase == 2)
         down(w->job, i / w->blocks, (i % w->blocks) * ROWS);
+    else
+        read_block(w->job, i / w->blocks, i % w->blocks);
 }
 
 /* Take items of generation `gen` until none are left; counts them done. */
@@ -300,20 +359,35 @@ static void phase(const ExpertJob *job, int ph, int64_t items, int64_t blocks, i
     while (atomic_load(&pool.finished) < items) relax();
 }
 
-/* -- entry point ------------------------------------------------------------------------------- */
+/* -- entry points ------------------------------------------------------------------------------ */
+
+static pthread_mutex_t one_job = PTHREAD_MUTEX_INITIALIZER;
 
 /* Compute a job (its groups sorted, offs[G] = N pairs) on `job->threads` threads: the OpenMP
  * team's when `job->parallel` is set, else the library's own; returns the threads used. One job
  * at a time per process. */
 int64_t oled_experts(const ExpertJob *job) {
-    static pthread_mutex_t one = PTHREAD_MUTEX_INITIALIZER;
-    pthread_mutex_lock(&one);
+    pthread_mutex_lock(&one_job);
     int workers = job->parallel ? (int)job->threads - 1 : grow(job->threads > 1 ? (int)job->threads : 1);
     int64_t groups = job->groups, pairs = job->offs[groups];
     int64_t inner = (job->inter + ROWS - 1) / ROWS, outer = (job->hidden + ROWS - 1) / ROWS;
     phase(job, 0, pairs, 1, workers);
     phase(job, 1, groups * inner, inner, workers);
     phase(job, 2, groups * outer, outer, workers);
-    pthread_mutex_unlock(&one);
+    pthread_mutex_unlock(&one_job);
     return workers + 1;
+}
+
+/* Read the groups' weights once on `job->threads` threads, as oled_experts streams them (the
+ * ceiling for its speed); returns the sum of their 64-bit words. */
+int64_t oled_experts_read(const ExpertJob *job) {
+    pthread_mutex_lock(&one_job);
+    int workers = job->parallel ? (int)job->threads - 1 : grow(job->threads > 1 ? (int)job->threads : 1);
+    int64_t n13 = 2 * job->inter * job->hidden * 2, n2 = job->hidden * job->inter * 2;
+    int64_t blocks = (n13 + READ - 1) / READ + (n2 + READ - 1) / READ;
+    atomic_store(&read_sum, 0);
+    phase(job, 3, job->groups * blocks, blocks, workers);
+    int64_t sum = (int64_t)atomic_load(&read_sum);
+    pthread_mutex_unlock(&one_job);
+    return sum;
 }

@@ -110,3 +110,30 @@ def test_native_builds_are_tagged_by_the_cpu(tmp_path):
     assert cpu_features(info) == "model name\t: A\nflags\t\t: fpu avx2"
     plain = Library("x", cpu.LIBRARY.sources, cpu.LIBRARY.parts)
     assert plain._target() != cpu.LIBRARY._target()  # the flags and the CPU enter the tag
+
+
+@pytest.mark.parametrize("h", [256, 2048])  # 2048: eight tokens' rows take two passes over a block
+def test_up_to_eight_tokens_of_one_expert_agree_with_torch_on_any_threads(h):
+    before = torch.get_num_threads()
+    for tokens in (5, 8):
+        x, slots, weights, w13, w2 = case(tokens, tokens=tokens, k=2, experts=2, h=h, i=64)
+        slots[:, 0], slots[:, 1] = 1, 0  # each expert has all the tokens
+        args = (x, slots, weights, w13, w2)
+        outs = []
+        try:
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outs.append(expert_rows(*args)[1])
+        finally:
+            torch.set_num_threads(before)
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        ref = with_torch(*args)[1]
+        assert torch.allclose(outs[0], ref, rtol=2e-2, atol=1e-3)
+        assert (outs[0] - ref).norm() / ref.norm() < 1e-2
+
+
+def test_the_read_sums_the_experts_weights():
+    _, _, _, w13, w2 = case(4, experts=4)
+    experts = torch.tensor([3, 1])
+    words = torch.cat([w[experts].reshape(-1).view(torch.int64) for w in (w13, w2)])
+    assert cpu.read(experts, w13, w2) == int(words.sum())
