@@ -38,6 +38,7 @@ JOB = Struct(
 PART = Part("experts", structs=(JOB,), doc="oled/kernels/cpu.py")
 LANES = 16  # cpu_experts.c sums rows in 16 lanes: H and I must be multiples
 MAX_TOKENS = 8  # experts with more pairs go to torch's matrix products (faster from there)
+VERSION = 2  # of cpu_experts.c's speed: a new one makes stored cost calibrations measure again
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -81,7 +82,7 @@ def describe(w13: Tensor, w2: Tensor) -> str:
     if not chosen(x, w13.cpu()[:1], w2.cpu()[:1]):
         return "torch"
     threads = "torch's OpenMP threads" if team() else "threads of its own"
-    return f"C up to {MAX_TOKENS} tokens, on {threads}"
+    return f"C (version {VERSION}) up to {MAX_TOKENS} tokens, on {threads}"
 
 
 def unsupported(x: Tensor, w13: Tensor, w2: Tensor) -> str | None:

@@ -137,3 +137,32 @@ def test_the_read_sums_the_experts_weights():
     experts = torch.tensor([3, 1])
     words = torch.cat([w[experts].reshape(-1).view(torch.int64) for w in (w13, w2)])
     assert cpu.read(experts, w13, w2) == int(words.sum())
+
+
+def test_every_phase_asks_the_team_for_all_threads(monkeypatch):
+    """A call of fewer pairs than threads still asks the OpenMP runtime for the same team in
+    each of its phases: a region of another size makes the runtime form its team anew, which
+    cost milliseconds a call on 16 cores. A stand-in for GOMP_parallel records each region's
+    size and runs the phase's work on the calling thread."""
+    import ctypes
+
+    sizes: list[int] = []
+    task = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)
+    def parallel(fn, data, threads, flags):
+        sizes.append(threads)
+        task(fn)(data)  # one member takes every item
+
+    args = case(11, tokens=1, k=2)  # one pair (the other is -1): the first phase has one item
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        reference = expert_rows(*args)[1]
+        address = ctypes.cast(parallel, ctypes.c_void_p).value
+        monkeypatch.setattr(cpu, "team", lambda: address)
+        rows = expert_rows(*args)[1]
+    finally:
+        torch.set_num_threads(before)
+    assert sizes and set(sizes) == {3}
+    assert torch.equal(rows, reference)
