@@ -148,26 +148,19 @@ def expert_rows(
     xf = torch.empty(n, h, dtype=torch.float32)
     act = torch.empty(n, inter, dtype=torch.float32)
     out = torch.empty(n, h, dtype=torch.float32)
-    job = JOB.ctype(
-        hidden=h,
-        inter=inter,
-        groups=len(experts),
-        threads=torch.get_num_threads(),
+    _run(
+        "oled_experts",
+        experts,
+        w13,
+        w2,
         x=x.data_ptr(),
-        w13=w13.data_ptr(),
-        w2=w2.data_ptr(),
-        expert=experts.data_ptr(),
         offs=offs.data_ptr(),
         token=tokens.data_ptr(),
         weight=weights.data_ptr(),
         xf=xf.data_ptr(),
         act=act.data_ptr(),
         out=out.data_ptr(),
-        parallel=team(),
     )
-    lib = _library()
-    assert not isinstance(lib, NativeUnavailable), "call `unsupported` first"
-    lib.oled_experts(ctypes.byref(job))
     return out
 
 
@@ -175,7 +168,13 @@ def read(experts: Tensor, w13: Tensor, w2: Tensor) -> int:
     """Read these experts' weights (experts [G] int64, rows of w13/w2) once, as `expert_rows`
     streams them, on the same threads: the ceiling of its speed (for benchmarks). Returns the
     sum of their 64-bit words (mod 2**64, signed). Call `unsupported` first."""
-    experts = experts.to(torch.int64).contiguous()
+    return _run("oled_experts_read", experts.to(torch.int64).contiguous(), w13, w2)
+
+
+def _run(entry: str, experts: Tensor, w13: Tensor, w2: Tensor, **buffers: int) -> int:
+    """Call the library's `entry` on a job over `experts` [G] int64 (contiguous) of the tables
+    w13 [E, 2I, H] and w2 [E, H, I], on torch's thread count and team; `buffers`: the job's
+    other fields (addresses)."""
     job = JOB.ctype(
         hidden=w13.shape[-1],
         inter=w2.shape[-1],
@@ -185,7 +184,8 @@ def read(experts: Tensor, w13: Tensor, w2: Tensor) -> int:
         w2=w2.data_ptr(),
         expert=experts.data_ptr(),
         parallel=team(),
+        **buffers,
     )
     lib = _library()
     assert not isinstance(lib, NativeUnavailable), "call `unsupported` first"
-    return lib.oled_experts_read(ctypes.byref(job))
+    return getattr(lib, entry)(ctypes.byref(job))

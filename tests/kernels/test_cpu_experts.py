@@ -62,18 +62,23 @@ def test_the_same_bits_for_every_thread_count_on_either_threads(monkeypatch):
     """On torch's OpenMP team (found here: torch runs on libgomp) and on the kernel's own."""
     assert cpu.team() is not None
     args = case(7, tokens=5)
+    outs = on_threads(args)
+    monkeypatch.setattr(cpu, "team", lambda: None)
+    outs += on_threads(args)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def on_threads(args, counts=(1, 2, 3)) -> list[torch.Tensor]:
+    """The kernel's rows for `args` on each of these thread counts."""
     before = torch.get_num_threads()
-    outs = []
     try:
-        for own in (False, True):
-            if own:
-                monkeypatch.setattr(cpu, "team", lambda: None)
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                outs.append(expert_rows(*args)[1])
+        outs = []
+        for threads in counts:
+            torch.set_num_threads(threads)
+            outs.append(expert_rows(*args)[1])
+        return outs
     finally:
         torch.set_num_threads(before)
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_many_calls_in_a_row_reuse_the_threads():
@@ -114,18 +119,11 @@ def test_native_builds_are_tagged_by_the_cpu(tmp_path):
 
 @pytest.mark.parametrize("h", [256, 2048])  # 2048: eight tokens' rows take two passes over a block
 def test_up_to_eight_tokens_of_one_expert_agree_with_torch_on_any_threads(h):
-    before = torch.get_num_threads()
     for tokens in (5, 8):
         x, slots, weights, w13, w2 = case(tokens, tokens=tokens, k=2, experts=2, h=h, i=64)
         slots[:, 0], slots[:, 1] = 1, 0  # each expert has all the tokens
         args = (x, slots, weights, w13, w2)
-        outs = []
-        try:
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                outs.append(expert_rows(*args)[1])
-        finally:
-            torch.set_num_threads(before)
+        outs = on_threads(args)
         assert all(torch.equal(outs[0], o) for o in outs[1:])
         ref = with_torch(*args)[1]
         assert torch.allclose(outs[0], ref, rtol=2e-2, atol=1e-3)
