@@ -38,7 +38,7 @@ from oled.offload.copies import Rows, launch
 from oled.policies.base import CostModel
 from oled.threads import contended, loadavg, others_busy, read_sample, visible_cpus
 
-_PATHS = "rows-3"  # the engine's copy and CPU-expert paths: a new one measures again
+_PATHS = "rows-4"  # the engine's copy and CPU-expert paths: a new one measures again
 _METHOD = "rounds-2"  # how the figures are measured and checked: a new method measures again
 
 ROUNDS = 5  # interleaved rounds, each timing every figure once
@@ -557,20 +557,20 @@ class _Probes:
     def figures(self, ms: dict[str, float]) -> dict[str, float]:
         """One round's figures from its timings (the bounds judge them)."""
         n = self.n
-        one, many = ms["copy 1"], ms[f"copy {n}"]
-        copy_per = (many - one) / (n - 1) if n > 1 else one
+        copy_one, many = ms["copy 1"], ms[f"copy {n}"]
+        copy_per = (many - copy_one) / (n - 1) if n > 1 else copy_one
         # a layer's CPU experts in decoding: a call of 1-4 experts of 1-8 tokens each
         m = min(4, self.e)  # experts per CPU probe
         # bound by reading the weights, 8 tokens may cost what 1 does: the slope is then ~0
         per_token = max((ms["cpu 4x8"] - ms["cpu 4x1"]) / m / 7, MIN_TOKEN_MS)
-        one = (ms["cpu 4x1"] - ms["cpu 1x1"]) / (m - 1) if m > 1 else ms["cpu 1x1"]
-        call = max(ms["cpu 1x1"] - one, 0.0)  # what a call costs beside its experts
+        cpu_one = (ms["cpu 4x1"] - ms["cpu 1x1"]) / (m - 1) if m > 1 else ms["cpu 1x1"]
+        call = max(ms["cpu 1x1"] - cpu_one, 0.0)  # what a call costs beside its experts
         counts = self.gpu_counts()
         gpu_fixed, gpu_per = _line(counts, [ms[f"gpu {k}"] for k in counts])
         return {  # a fixed cost a little below 0 is the fit's noise around a small one
             "copy_ms_per_expert": copy_per,
-            "copy_fixed_ms": max(one - copy_per, 0.0),
-            "cpu_fixed_ms": one - per_token,
+            "copy_fixed_ms": max(copy_one - copy_per, 0.0),
+            "cpu_fixed_ms": cpu_one - per_token,
             "cpu_call_ms": call,
             "cpu_ms_per_token": per_token,
             "gpu_fixed_ms": max(gpu_fixed, 0.0),

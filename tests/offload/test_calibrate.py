@@ -165,16 +165,21 @@ def test_a_figure_without_a_quorum_of_rounds_inside_its_bound_is_not_stored(
     assert not used.stored and used.cost.gpu_fixed_ms == calibrate.MAX_FIXED_MS  # clamped
 
 
-def test_the_cpu_figures_separate_a_call_from_its_experts(store):
+def test_the_figures_separate_fixed_costs_from_each_expert(store):
     """Timings of a layer's CPU call that cost 0.4 ms, plus 0.3 ms an expert and 0.01 ms a
-    token, give back those three figures."""
+    token, and of copies that cost 0.02 ms plus 0.125 ms an expert, give back those figures:
+    the copy's fixed cost from the copies alone, not from the CPU's."""
     probes = calibrate._Probes(store, CPU)
+    n = probes.n
     ms = {name: 1.0 for name in probes.timings()}
     ms |= {"cpu 1x1": 0.4 + 0.31, "cpu 4x1": 0.4 + 4 * 0.31, "cpu 4x8": 0.4 + 4 * 0.38}
+    ms |= {"copy 1": 0.02 + 0.125, f"copy {n}": 0.02 + n * 0.125}
     got = probes.figures(ms)
     assert got["cpu_call_ms"] == pytest.approx(0.4)
     assert got["cpu_fixed_ms"] == pytest.approx(0.3)
     assert got["cpu_ms_per_token"] == pytest.approx(0.01)
+    assert got["copy_ms_per_expert"] == pytest.approx(0.125)
+    assert got["copy_fixed_ms"] == pytest.approx(0.02)
 
 
 def test_the_start_up_recheck_warns_on_a_doctored_file(store, tmp_path):
