@@ -202,10 +202,20 @@ class PlannerStats:
         return {n: getattr(self, n).tolist() for n in COUNTERS.names}
 
 
+def _most(counts: np.ndarray, experts: np.ndarray, n: int) -> np.ndarray:
+    """At most n of `experts`: all of them in their order when they are n or fewer, else the n
+    with the most `counts` [E] (ties in their order)."""
+    if len(experts) <= n:
+        return experts
+    return experts[np.argsort(-counts[experts], kind="stable")[:n]]
+
+
 class CopyAhead:
     """Per layer, whether copies ahead from the predicted routing pay: an EMA of the share of a
     layer's predicted experts that the layer then needed. Below `min_use` a layer copies
-    nothing ahead and predicts only every `probe`-th forward, to score the prediction anew."""
+    nothing ahead and predicts only every `probe`-th forward, to score the prediction anew; so
+    does a layer whose last copies ahead found no spare link time (`room`). A prediction is
+    scored whether or not its experts were copied."""
 
     def __init__(
         self,
@@ -220,12 +230,15 @@ class CopyAhead:
             raise ValueError(f"prefetch_limit must be >= 0, got {limit}")
         self.limit, self.min_use, self.probe, self.alpha = limit, min_use, probe, alpha
         self.use = [1.0] * num_layers  # starts by copying ahead
+        self.room = [True] * num_layers  # the link had spare time for the last copies ahead
         self._pending: list[np.ndarray | None] = [None] * num_layers  # predicted, not scored
         self._copied = [False] * num_layers
 
     def predicts(self, layer: int, step: int) -> bool:
-        """Whether `layer`'s routing is to be predicted in forward `step`."""
-        return self.limit > 0 and (self.copies(layer) or step % self.probe == 0)
+        """Whether `layer`'s routing is to be predicted in forward `step`: while its copies ahead
+        pay and the link had room for the last ones, else every `probe`-th forward."""
+        probing = step % self.probe == 0
+        return self.limit > 0 and ((self.copies(layer) and self.room[layer]) or probing)
 
     def copies(self, layer: int) -> bool:
         return self.use[layer] >= self.min_use
@@ -654,12 +667,12 @@ class Planner:
         while the layer's predictions have not paid (CopyAhead); they are only scored then."""
         cache = self.caches[layer]
         named = counts > 0
-        want = (named & (cache.slot_of < 0)).nonzero()[0]
-        if len(want) > limit:
-            want = want[np.argsort(-counts[want], kind="stable")[:limit]]
-        if not len(want) or not self.ahead.copies(layer):
-            self.ahead.remember(layer, want, copied=False)
+        want = _most(counts, (named & (cache.slot_of < 0)).nonzero()[0], self.prefetch_limit)
+        self.ahead.room[layer] = limit > 0
+        if not limit or not len(want) or not self.ahead.copies(layer):
+            self.ahead.remember(layer, want, copied=False)  # scored all the same
             return _EMPTY, _EMPTY
+        want = _most(counts, want, limit)
         slots, victims = self._room(layer, len(want), named)
         experts = want[: len(slots)]
         if len(experts):

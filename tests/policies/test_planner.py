@@ -282,6 +282,27 @@ def test_copies_ahead_stop_where_predictions_miss_and_resume_where_they_hit() ->
     assert planner.stats.predicted_hits[1] > 0
 
 
+def test_a_layer_without_spare_link_time_scores_its_prediction_and_stops_predicting() -> None:
+    """With no room on the link (the limit the spare time leaves is 0) nothing is copied, yet
+    the prediction is scored, so a wrong one still closes the layer's gate; and the layer is
+    predicted again only every `probe`-th forward until a prediction finds room."""
+    planner = make(experts=16, k=2, slots=3 * 8, prefetch=4)
+    gate, w = planner.ahead, np.ones((2, 2), np.float32)
+    asked = []
+    for step in range(1, 17):
+        planner.begin_step(step=step, block=0)
+        if planner.predicts(1):
+            asked.append(step)
+            wrong = np.array([[8, 9], [10, 11]])  # never needed
+            assert not len(planner._copy_ahead(1, np.bincount(wrong.ravel(), minlength=16), 0)[0])
+        planner.plan(1, np.array([[0, 1], [2, 3]]), w)
+    assert asked == [1, 8, 16]  # the first, then the probes
+    assert gate.use[1] == pytest.approx(0.8**3) and not gate.room[1]  # scored three times
+    planner.begin_step(step=17, block=0)
+    assert len(planner.prefetch(1, np.array([[4, 5], [6, 7]]))[0])  # no spare-time bound
+    assert gate.room[1] and planner.predicts(1)
+
+
 def test_copies_ahead_from_the_forward_before() -> None:
     """ahead_from "previous": layer 0's plan copies ahead into layer 1 what layer 1 routed the
     forward before and its cache lacks, never in a generation's first forward, and never by
