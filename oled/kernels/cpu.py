@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -127,36 +130,103 @@ def team() -> int | None:
     return None
 
 
+@dataclass
+class Groups:
+    """A layer's CPU pairs grouped by expert, found on the host with numpy (a decode call has a
+    few pairs, and torch's ops on them cost far more than the kernel): `order` [N] int64 index
+    of each pair in the T*K flattened pairs, by expert then by index (a stable sort), `experts`
+    [G] int64 and `offs` [G + 1] int64 (group g's pairs are order[offs[g]:offs[g + 1]])."""
+
+    order: np.ndarray
+    experts: np.ndarray
+    offs: np.ndarray
+
+    @classmethod
+    def of(cls, slots: np.ndarray) -> Groups:
+        """The pairs of `slots` [T, K] (an expert, or -1 for pairs computed elsewhere)."""
+        flat = slots.reshape(-1)  # [T*K]
+        pairs = np.flatnonzero(flat >= 0)  # [N] ascending
+        if not len(pairs):
+            return cls(pairs.astype(np.int64), pairs.astype(np.int64), np.zeros(1, np.int64))
+        order = pairs[np.argsort(flat[pairs], kind="stable")]  # [N]
+        grouped = flat[order]  # [N] non-decreasing
+        starts = np.flatnonzero(grouped[1:] != grouped[:-1]) + 1  # [G - 1]
+        offs = np.concatenate(([0], starts, [len(order)])).astype(np.int64)  # [G + 1]
+        return cls(order.astype(np.int64), grouped[offs[:-1]].astype(np.int64), offs)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """[G] pairs of each group."""
+        return np.diff(self.offs)
+
+
+class Space:
+    """Buffers of `expert_rows` kept between calls, grown to the largest: its scratch, and the
+    outputs (pair index [N] int64, rows [N, H] fp32), in pinned memory when `pinned` (so that
+    they go up to a GPU without a copy of their own). A call's outputs are views, valid until
+    the next call; `busy`, when set, is an event (with `synchronize()`) after their last use
+    that the next call waits for before writing."""
+
+    def __init__(self, *, pinned: bool = False) -> None:
+        self.pinned = pinned
+        self.busy: Any = None
+        self._bufs: dict[str, Tensor] = {}
+
+    def take(self, name: str, dtype: torch.dtype, n: int, *row: int) -> Tensor:
+        """A view [n, *row] of buffer `name` (grown to at least twice its size when short)."""
+        size = n * (int(np.prod(row)) if row else 1)
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < size:
+            pin = self.pinned and name.startswith("out")
+            grown = max(size, 2 * buf.numel() if buf is not None else 0)
+            buf = self._bufs[name] = torch.empty(grown, dtype=dtype, pin_memory=pin)
+        return buf[:size].view(n, *row)
+
+    def outputs(self, n: int, hidden: int) -> tuple[Tensor, Tensor]:
+        """(index [n] int64, rows [n, hidden] fp32), after the last outputs' use."""
+        if self.busy is not None:
+            self.busy.synchronize()
+            self.busy = None
+        return self.take("out index", torch.int64, n), self.take(
+            "out rows", torch.float32, n, hidden
+        )
+
+
 def expert_rows(
     x: Tensor,
-    experts: Tensor,
-    offs: Tensor,
-    tokens: Tensor,
-    weights: Tensor,
+    experts: np.ndarray,
+    offs: np.ndarray,
+    tokens: np.ndarray,
+    weights: np.ndarray,
     w13: Tensor,
     w2: Tensor,
+    *,
+    out: Tensor | None = None,
+    space: Space | None = None,
 ) -> Tensor:
     """Weighted SwiGLU outputs [N, H] fp32 of N (token, expert) pairs grouped by expert.
 
     x [T, H]; experts [G] int64 (rows of w13/w2); offs [G + 1] int64, group g's pairs are
     offs[g]:offs[g + 1]; tokens [N] int64 row of x of each pair; weights [N] fp32; w13 [E, 2I,
-    H]; w2 [E, H, I]. Uses torch's thread count. Call `unsupported` first.
+    H]; w2 [E, H, I]. Written into `out` [N, H] fp32 when given; scratch from `space` when
+    given. Uses torch's thread count. Call `unsupported` first.
     """
     n, h, inter = int(offs[-1]), x.shape[-1], w2.shape[-1]
-    experts, offs, tokens = (t.to(torch.int64).contiguous() for t in (experts, offs, tokens))
-    weights = weights.to(torch.float32).contiguous()
-    xf = torch.empty(n, h, dtype=torch.float32)
-    act = torch.empty(n, inter, dtype=torch.float32)
-    out = torch.empty(n, h, dtype=torch.float32)
+    experts, offs, tokens = (np.ascontiguousarray(a, np.int64) for a in (experts, offs, tokens))
+    weights = np.ascontiguousarray(weights, np.float32)
+    space = space or Space()
+    xf, act = space.take("xf", torch.float32, n, h), space.take("act", torch.float32, n, inter)
+    if out is None:
+        out = torch.empty(n, h, dtype=torch.float32)
     _run(
         "oled_experts",
         experts,
         w13,
         w2,
         x=x.data_ptr(),
-        offs=offs.data_ptr(),
-        token=tokens.data_ptr(),
-        weight=weights.data_ptr(),
+        offs=offs.ctypes.data,
+        token=tokens.ctypes.data,
+        weight=weights.ctypes.data,
         xf=xf.data_ptr(),
         act=act.data_ptr(),
         out=out.data_ptr(),
@@ -168,10 +238,10 @@ def read(experts: Tensor, w13: Tensor, w2: Tensor) -> int:
     """Read these experts' weights (experts [G] int64, rows of w13/w2) once, as `expert_rows`
     streams them, on the same threads: the ceiling of its speed (for benchmarks). Returns the
     sum of their 64-bit words (mod 2**64, signed). Call `unsupported` first."""
-    return _run("oled_experts_read", experts.to(torch.int64).contiguous(), w13, w2)
+    return _run("oled_experts_read", np.ascontiguousarray(experts.numpy(), np.int64), w13, w2)
 
 
-def _run(entry: str, experts: Tensor, w13: Tensor, w2: Tensor, **buffers: int) -> int:
+def _run(entry: str, experts: np.ndarray, w13: Tensor, w2: Tensor, **buffers: int) -> int:
     """Call the library's `entry` on a job over `experts` [G] int64 (contiguous) of the tables
     w13 [E, 2I, H] and w2 [E, H, I], on torch's thread count and team; `buffers`: the job's
     other fields (addresses)."""
@@ -182,7 +252,7 @@ def _run(entry: str, experts: Tensor, w13: Tensor, w2: Tensor, **buffers: int) -
         threads=torch.get_num_threads(),
         w13=w13.data_ptr(),
         w2=w2.data_ptr(),
-        expert=experts.data_ptr(),
+        expert=experts.ctypes.data,
         parallel=team(),
         **buffers,
     )

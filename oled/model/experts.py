@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -132,48 +133,69 @@ def expert_pairs(x: Tensor, slots: Tensor, weights: Tensor, w13: Tensor, w2: Ten
 
 
 def expert_rows(
-    x: Tensor, slots: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, *, native: bool = False
+    x: Tensor,
+    slots: Tensor,
+    weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    *,
+    native: bool = False,
+    space: cpu.Space | None = None,
 ) -> tuple[Tensor, Tensor]:
     """On the CPU, only the pairs this table computes: (index [N] of each pair in the T*K
     flattened pairs, its weighted output [N, H] fp32); the same values as `expert_pairs`.
     A CPU expert's call has a few rows of the T*K, and touching all of them costs milliseconds.
     With `native` (CPU experts beside a GPU: the host as a second link), bf16 experts with at
     most `cpu.MAX_TOKENS` pairs go through the C kernel where `cpu.chosen`: the same rounding
-    points, sums in another order. Without it (the CPU device's own path) torch computes every
-    pair, as the resident model there does.
+    points, sums in another order; the pairs are then grouped with numpy, and the outputs are
+    views of `space`'s buffers when given. Without it (the CPU device's own path) torch
+    computes every pair, as the resident model there does.
     """
+    if native and cpu.chosen(x, w13, w2):
+        return _native_rows(
+            x, cpu.Groups.of(slots.numpy()), slots.shape[1], weights, w13, w2, space
+        )
     s, k = w13.shape[0], slots.shape[1]
     order, grouped = _by_slot(slots, s)
     n = int(torch.count_nonzero(grouped < s))  # valid pairs sort first
     order, grouped = order[:n], grouped[:n]  # [N]
-    if not (native and cpu.chosen(x, w13, w2)):
-        return order, _weighted_mlp(x, order, grouped, k, weights, w13, w2)
-    experts, counts = torch.unique_consecutive(grouped, return_counts=True)  # [G], [G]
-    small = counts <= cpu.MAX_TOKENS  # [G] experts for the C kernel
-    if bool(small.all()):
-        return order, _native_rows(x, order, experts, counts, k, weights, w13, w2)
-    few = small.repeat_interleave(counts)  # [N] their pairs
-    rows = torch.empty(n, x.shape[-1], dtype=torch.float32)  # [N, H]
-    rows[few] = _native_rows(x, order[few], experts[small], counts[small], k, weights, w13, w2)
-    rows[~few] = _weighted_mlp(x, order[~few], grouped[~few], k, weights, w13, w2)
-    return order, rows
+    return order, _weighted_mlp(x, order, grouped, k, weights, w13, w2)
 
 
 def _native_rows(
     x: Tensor,
-    order: Tensor,
-    experts: Tensor,
-    counts: Tensor,
+    groups: cpu.Groups,
     k: int,
     weights: Tensor,
     w13: Tensor,
     w2: Tensor,
-) -> Tensor:
-    """`_weighted_mlp` through the C kernel (oled.kernels.cpu): [N, H] fp32, pairs grouped by
-    expert (`counts` [G] pairs of each of `experts` [G], in `order` [N])."""
-    offs = F.pad(counts.cumsum(0), (1, 0))  # [G + 1]
-    w = weights.reshape(-1)[order]  # [N]
-    return cpu.expert_rows(x, experts, offs, order // k, w, w13, w2)
+    space: cpu.Space | None,
+) -> tuple[Tensor, Tensor]:
+    """`expert_rows` of `groups`' pairs through the C kernel, but for experts with more than
+    `cpu.MAX_TOKENS` pairs (torch's products are faster there): (index [N], rows [N, H] fp32)."""
+    space = space or cpu.Space()
+    order, counts = groups.order, groups.counts  # [N], [G]
+    index, rows = space.outputs(len(order), x.shape[-1])  # [N], [N, H]
+    index.numpy()[:] = order
+    w = weights.float().numpy().reshape(-1)[order]  # [N]
+    small = counts <= cpu.MAX_TOKENS  # [G] experts for the C kernel
+    if not len(order):
+        return index, rows
+    if small.all():
+        cpu.expert_rows(
+            x, groups.experts, groups.offs, order // k, w, w13, w2, out=rows, space=space
+        )
+        return index, rows
+    few = np.repeat(small, counts)  # [N] their pairs
+    offs = np.concatenate(([0], counts[small].cumsum()))  # [G' + 1]
+    part = cpu.expert_rows(
+        x, groups.experts[small], offs, order[few] // k, w[few], w13, w2, space=space
+    )
+    rows[torch.from_numpy(few)] = part
+    many = torch.from_numpy(order[~few])  # [N - N'] pairs of the large groups
+    grouped = torch.from_numpy(np.repeat(groups.experts[~small], counts[~small]))
+    rows[torch.from_numpy(~few)] = _weighted_mlp(x, many, grouped, k, weights, w13, w2)
+    return index, rows
 
 
 def _by_slot(slots: Tensor, s: int) -> tuple[Tensor, Tensor]:

@@ -33,12 +33,13 @@ from torch import Tensor
 
 from oled import kernels
 from oled.kernels import cpu
-from oled.model.experts import ExpertStore, expert_pairs, expert_rows
+from oled.model.experts import ExpertStore, expert_pairs
 from oled.offload.copies import Rows, launch
+from oled.offload.host_experts import HostExperts
 from oled.policies.base import CostModel
 from oled.threads import contended, loadavg, others_busy, read_sample, visible_cpus
 
-_PATHS = "rows-4"  # the engine's copy and CPU-expert paths: a new one measures again
+_PATHS = "rows-5"  # the engine's copy and CPU-expert paths: a new one measures again
 _METHOD = "rounds-2"  # how the figures are measured and checked: a new method measures again
 
 ROUNDS = 5  # interleaved rounds, each timing every figure once
@@ -493,7 +494,7 @@ class _Probes:
         rows = list(range(count))
         return lambda: launch(self.src, self.dst, rows, rows, self.stream)
 
-    def cpu_layer(self, n_experts: int, tokens_each: int) -> Callable[[], list[Tensor]]:
+    def cpu_layer(self, n_experts: int, tokens_each: int) -> Callable[[], Tensor]:
         """The CPU expert path as the engine pays it: 32 tokens' activations to the host, the
         CPU experts' GEMMs over the host table (expert e gets `tokens_each` (token, expert)
         pairs) and their rows back to the device. Each call takes the next `n_experts` of the
@@ -513,11 +514,13 @@ class _Probes:
             turns.append(ids.view(t, k))
         calls = itertools.cycle(turns)
 
-        def run() -> list[Tensor]:
-            native = self.device.type == "cuda"  # as the engine computes them
-            ids = next(calls)
-            parts = expert_rows(x.to("cpu"), ids, weights, self.w13, self.w2, native=native)
-            return [part.to(self.device) for part in parts]
+        host = HostExperts(self.device)  # as the engine computes them and sends them back
+        pairs = torch.zeros(t, k, h, dtype=torch.float32, device=self.device)  # [T, K, H]
+
+        def run() -> Tensor:
+            index, rows = host.rows(x.to("cpu"), next(calls), weights, self.w13, self.w2)
+            host.add(pairs, index, rows)
+            return pairs
 
         return run
 

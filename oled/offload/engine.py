@@ -33,13 +33,14 @@ from oled.decoding.observers import (
     DecodeObserver,
     IterationInfo,
 )
-from oled.model.experts import ExpertStore, combine, expert_pairs, expert_rows
+from oled.model.experts import ExpertStore, combine, expert_pairs
 from oled.model.graphs import Graphs
 from oled.model.model import MoERequest
 from oled.model.stages import annotating, stage
 from oled.offload.copies import Indices, Rows, launch, transfer
 from oled.offload.driver import LayerDriver, RawEvent, unavailable
 from oled.offload.encoded import EncodedCopies
+from oled.offload.host_experts import HostExperts
 from oled.offload.launches import Launcher, launch_inputs, launch_passes, timed_copies
 from oled.offload.metrics import INDEX, EngineMetrics
 from oled.policies.base import StepContext
@@ -112,6 +113,7 @@ class OffloadEngine(DecodeObserver):
         self._compute: torch.cuda.Stream | None = None  # the current layer call's stream
         self._routing_host: dict[tuple[int, int], tuple[Tensor, ...]] = {}  # pinned, per shape
         self._x_host: dict[tuple[int, ...], Tensor] = {}  # pinned CPU-expert activations
+        self.host = HostExperts(device)  # the CPU experts' rows, and their way back
         self._static_io: dict[tuple[int, int], tuple[MoERequest, Tensor]] = {}
         self._predicted: dict[tuple[int, int], Tensor] = {}  # static predicted ids [T, K]
         self._ahead: list[torch.cuda.Event | None] = [None] * layers  # copies ahead, per layer
@@ -439,24 +441,14 @@ class OffloadEngine(DecodeObserver):
         t0 = time.perf_counter()
         if job.copied is not None:
             job.copied.synchronize()
-        with torch.inference_mode():
-            store = self.store
-            index, rows = expert_rows(  # [N] into the T*K pairs, [N, H] fp32
-                job.x,
-                job.slots,
-                job.weights,
-                store.w13[job.layer],
-                store.w2[job.layer],
-                native=self.cuda,
-            )
+        store = self.store
+        index, rows = self.host.rows(  # [N] into the T*K pairs, [N, H] fp32
+            job.x, job.slots, job.weights, store.w13[job.layer], store.w2[job.layer]
+        )
         done = time.perf_counter()
         modeled = self.planner.observe_cpu(job.layer, job.tokens, 1000 * (done - t_plan))
         self.metrics.add(job.layer, cpu_ms=1000 * (done - t0), cpu_model_ms=modeled)
-        flat = pairs.view(-1, pairs.shape[-1])  # [T*K, H]
-        if self.cuda:  # pinned, so that they go up without a sync
-            index, rows = index.pin_memory(), rows.pin_memory()
-        dev = self.device
-        flat.index_add_(0, index.to(dev, non_blocking=True), rows.to(dev, non_blocking=True))
+        self.host.add(pairs, index, rows)
 
     def _account(self, layer: int, plan: LayerPlan, stamps: tuple[float, ...]) -> None:
         """Count the layer's plan and time its host path from the clock's `stamps`: start,

@@ -93,11 +93,43 @@ def test_the_cpu_devices_own_path_stays_torchs(monkeypatch):
     and single requests keep the same rounding there); beside a GPU the C kernel runs."""
     calls = []
     kernel = cpu.expert_rows
-    monkeypatch.setattr(cpu, "expert_rows", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(cpu, "expert_rows", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     args = case(2, tokens=3)
     assert torch.equal(experts.expert_rows(*args)[1], with_torch(*args)[1]) and not calls
     expert_rows(*args)
     assert calls
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_pairs_group_by_expert_as_torchs_stable_sort(seed):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(-1, 6, (5 + seed, 3), generator=g)  # [T, K], -1: elsewhere
+    groups = cpu.Groups.of(slots.numpy())
+    flat = torch.where(slots.reshape(-1) < 0, 99, slots.reshape(-1))
+    order = torch.argsort(flat, stable=True)[: int((flat < 99).sum())]
+    assert groups.order.tolist() == order.tolist()
+    assert groups.experts.tolist() == sorted(set(flat[order].tolist()))
+    assert groups.counts.tolist() == [int((flat == e).sum()) for e in groups.experts]
+    empty = cpu.Groups.of(torch.full((2, 2), -1).numpy())
+    assert len(empty.order) == len(empty.experts) == 0 and empty.offs.tolist() == [0]
+
+
+def test_kept_buffers_give_the_bits_of_fresh_ones_and_wait_for_their_last_use():
+    """Calls of several sizes through one Space (growing it, then reusing a larger one) give
+    the outputs of calls with buffers of their own, and each waits for the event in `busy`."""
+    space, waits = cpu.Space(), []
+
+    class Busy:
+        def synchronize(self):
+            waits.append(1)
+
+    for seed, tokens in ((1, 2), (2, 40), (3, 3)):  # 40: some experts through torch
+        args = case(seed, tokens=tokens, experts=32)
+        fresh = expert_rows(*args)
+        space.busy = Busy()
+        index, rows = experts.expert_rows(*args, native=True, space=space)
+        assert torch.equal(index, fresh[0]) and torch.equal(rows, fresh[1])
+    assert len(waits) == 3 and space.busy is None
 
 
 def test_what_the_kernel_refuses_goes_to_torch():
