@@ -38,14 +38,30 @@ JOB = Struct(
     ),
     doc="One layer's CPU experts: pairs grouped by expert.",
 )
-PART = Part("experts", structs=(JOB,), doc="oled/kernels/cpu.py")
+GROUPS = Struct(
+    "PairGroups",
+    (
+        *Field.many("int64_t", "pairs k experts", "T*K pairs, K, experts in the table"),
+        Field("slot", "const int64_t *", "[T*K] expert of each pair, or -1: computed elsewhere"),
+        Field("pair_weight", "const float *", "[T*K] gate weight of each pair"),
+        Field("count", "int64_t *", "scratch [E]"),
+        Field("order", "int64_t *", "[N] pair of each CPU pair, by expert then pair"),
+        Field("expert", "int64_t *", "[G] expert of each group"),
+        Field("offs", "int64_t *", "[G + 1] first pair of each group, then N"),
+        Field("token", "int64_t *", "[N] activation row of each pair (order // K)"),
+        Field("weight", "float *", "[N] gate weight of each pair"),
+        *Field.many("int64_t", "groups largest", "out: G, the largest group's pairs"),
+    ),
+    doc="A layer's CPU pairs grouped by expert (each array sized for T*K pairs).",
+)
+PART = Part("experts", structs=(JOB, GROUPS), doc="oled/kernels/cpu.py")
 LANES = 16  # cpu_experts.c sums rows in 16 lanes: H and I must be multiples
 MAX_TOKENS = 8  # experts with more pairs go to torch's matrix products (faster from there)
 VERSION = 2  # of cpu_experts.c's speed: a new one makes stored cost calibrations measure again
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    for fn in (lib.oled_experts, lib.oled_experts_read):
+    for fn in (lib.oled_experts, lib.oled_experts_read, lib.oled_group):
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p]
 
@@ -132,27 +148,17 @@ def team() -> int | None:
 
 @dataclass
 class Groups:
-    """A layer's CPU pairs grouped by expert, found on the host with numpy (a decode call has a
-    few pairs, and torch's ops on them cost far more than the kernel): `order` [N] int64 index
-    of each pair in the T*K flattened pairs, by expert then by index (a stable sort), `experts`
-    [G] int64 and `offs` [G + 1] int64 (group g's pairs are order[offs[g]:offs[g + 1]])."""
+    """A layer's CPU pairs grouped by expert (`group`): `order` [N] int64 index of each pair in
+    the T*K flattened pairs, by expert then by index (a stable sort), `experts` [G] int64, `offs`
+    [G + 1] int64 (group g's pairs are order[offs[g]:offs[g + 1]]), `tokens` [N] int64 (order //
+    K) and `weights` [N] fp32 of each pair, `largest` the largest group's pairs."""
 
     order: np.ndarray
     experts: np.ndarray
     offs: np.ndarray
-
-    @classmethod
-    def of(cls, slots: np.ndarray) -> Groups:
-        """The pairs of `slots` [T, K] (an expert, or -1 for pairs computed elsewhere)."""
-        flat = slots.reshape(-1)  # [T*K]
-        pairs = np.flatnonzero(flat >= 0)  # [N] ascending
-        if not len(pairs):
-            return cls(pairs.astype(np.int64), pairs.astype(np.int64), np.zeros(1, np.int64))
-        order = pairs[np.argsort(flat[pairs], kind="stable")]  # [N]
-        grouped = flat[order]  # [N] non-decreasing
-        starts = np.flatnonzero(grouped[1:] != grouped[:-1]) + 1  # [G - 1]
-        offs = np.concatenate(([0], starts, [len(order)])).astype(np.int64)  # [G + 1]
-        return cls(order.astype(np.int64), grouped[offs[:-1]].astype(np.int64), offs)
+    tokens: np.ndarray
+    weights: np.ndarray
+    largest: int
 
     @property
     def counts(self) -> np.ndarray:
@@ -160,17 +166,61 @@ class Groups:
         return np.diff(self.offs)
 
 
+def group(slots: np.ndarray, weights: np.ndarray, experts: int, space: Space) -> Groups:
+    """The pairs of `slots` [T, K] (an expert below `experts`, or -1 for pairs computed
+    elsewhere) with their gate weights [T, K] fp32, grouped in C (numpy's and torch's calls on a
+    few pairs cost more than the kernel). The arrays are views of `space`'s buffers, `order`
+    in its output index (so it waits for their last use); valid until its next call."""
+    t, k = slots.shape
+    p = t * k
+    slots = np.ascontiguousarray(slots, np.int64)
+    weights = np.ascontiguousarray(weights, np.float32)
+    space.wait()
+    arrays = {
+        "order": space.array("out index", np.int64, p),
+        "expert": space.array("group experts", np.int64, p),
+        "offs": space.array("group offs", np.int64, p + 1),
+        "token": space.array("group tokens", np.int64, p),
+        "weight": space.array("group weights", np.float32, p),
+        "count": space.array("group counts", np.int64, experts),
+    }
+    job = GROUPS.ctype(
+        pairs=p,
+        k=k,
+        experts=experts,
+        slot=slots.ctypes.data,
+        pair_weight=weights.ctypes.data,
+        **{name: a.ctypes.data for name, a in arrays.items()},
+    )
+    n = _library_call("oled_group", job)
+    if n < 0:
+        raise ValueError(f"a CPU pair's expert is past the table's {experts} experts")
+    g = job.groups
+    return Groups(
+        arrays["order"][:n],
+        arrays["expert"][:g],
+        arrays["offs"][: g + 1],
+        arrays["token"][:n],
+        arrays["weight"][:n],
+        job.largest,
+    )
+
+
+_NUMPY: dict[type, torch.dtype] = {np.int64: torch.int64, np.float32: torch.float32}
+
+
 class Space:
-    """Buffers of `expert_rows` kept between calls, grown to the largest: its scratch, and the
-    outputs (pair index [N] int64, rows [N, H] fp32), in pinned memory when `pinned` (so that
-    they go up to a GPU without a copy of their own). A call's outputs are views, valid until
-    the next call; `busy`, when set, is an event (with `synchronize()`) after their last use
-    that the next call waits for before writing."""
+    """Buffers of `expert_rows` and `group` kept between calls, grown to the largest: scratch,
+    and the outputs ("out index" [N] int64, "out rows" [N, H] fp32) in pinned memory when
+    `pinned` (so that they go up to a GPU without a copy of their own). A call's outputs are
+    views, valid until the next call; `busy`, when set, is an event (with `synchronize()`)
+    after their last use that the next call waits for (`wait`) before writing."""
 
     def __init__(self, *, pinned: bool = False) -> None:
         self.pinned = pinned
         self.busy: Any = None
         self._bufs: dict[str, Tensor] = {}
+        self._arrays: dict[str, np.ndarray] = {}
 
     def take(self, name: str, dtype: torch.dtype, n: int, *row: int) -> Tensor:
         """A view [n, *row] of buffer `name` (grown to at least twice its size when short)."""
@@ -178,15 +228,28 @@ class Space:
         buf = self._bufs.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < size:
             pin = self.pinned and name.startswith("out")
-            grown = max(size, 2 * buf.numel() if buf is not None else 0)
+            grown = max(size, 2 * buf.numel() if buf is not None and buf.dtype == dtype else 0)
             buf = self._bufs[name] = torch.empty(grown, dtype=dtype, pin_memory=pin)
+            self._arrays[name] = buf.numpy()
         return buf[:size].view(n, *row)
 
-    def outputs(self, n: int, hidden: int) -> tuple[Tensor, Tensor]:
-        """(index [n] int64, rows [n, hidden] fp32), after the last outputs' use."""
+    def array(self, name: str, dtype: type, size: int) -> np.ndarray:
+        """Buffer `name` as a numpy array of at least `size` values (all of it: callers slice)."""
+        a = self._arrays.get(name)
+        if a is None or a.dtype != dtype or len(a) < size:
+            self.take(name, _NUMPY[dtype], size)
+            a = self._arrays[name]
+        return a
+
+    def wait(self) -> None:
+        """Until the last outputs' use is over."""
         if self.busy is not None:
             self.busy.synchronize()
             self.busy = None
+
+    def outputs(self, n: int, hidden: int) -> tuple[Tensor, Tensor]:
+        """(index [n] int64, rows [n, hidden] fp32), after the last outputs' use."""
+        self.wait()
         return self.take("out index", torch.int64, n), self.take(
             "out rows", torch.float32, n, hidden
         )
@@ -256,6 +319,11 @@ def _run(entry: str, experts: np.ndarray, w13: Tensor, w2: Tensor, **buffers: in
         parallel=team(),
         **buffers,
     )
+    return _library_call(entry, job)
+
+
+def _library_call(entry: str, job: Any) -> int:
+    """The library's `entry` on `job` (a ctypes struct)."""
     lib = _library()
     assert not isinstance(lib, NativeUnavailable), "call `unsupported` first"
-    return getattr(lib, entry)(ctypes.byref(job))
+    return int(getattr(lib, entry)(ctypes.byref(job)))

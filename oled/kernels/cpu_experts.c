@@ -380,6 +380,41 @@ int64_t oled_experts(const ExpertJob *job) {
     return workers + 1;
 }
 
+/* Group a layer's CPU pairs by expert as a stable sort by expert would (an expert's pairs in
+ * their order): a counting sort over the experts, so that a decode call's grouping costs no
+ * more than the pairs. Returns N, the pairs with an expert, or -1 when a slot is past the
+ * experts (nothing is written then but the counts). */
+int64_t oled_group(PairGroups *g) {
+    int64_t n_experts = g->experts, at = 0, groups = 0, largest = 0;
+    memset(g->count, 0, (size_t)n_experts * sizeof *g->count);
+    for (int64_t p = 0; p < g->pairs; p++) {
+        int64_t s = g->slot[p];
+        if (s >= n_experts) return -1;
+        if (s >= 0) g->count[s]++;
+    }
+    for (int64_t e = 0; e < n_experts; e++) { /* count[e] becomes expert e's next place */
+        int64_t c = g->count[e];
+        g->count[e] = at;
+        if (!c) continue;
+        g->expert[groups] = e;
+        g->offs[groups++] = at;
+        largest = c > largest ? c : largest;
+        at += c;
+    }
+    g->offs[groups] = at;
+    for (int64_t p = 0; p < g->pairs; p++) {
+        int64_t s = g->slot[p];
+        if (s < 0) continue;
+        int64_t i = g->count[s]++;
+        g->order[i] = p;
+        g->token[i] = p / g->k;
+        g->weight[i] = g->pair_weight[p];
+    }
+    g->groups = groups;
+    g->largest = largest;
+    return at;
+}
+
 /* Read the groups' weights once on `job->threads` threads, as oled_experts streams them (the
  * ceiling for its speed); returns the sum of their 64-bit words. */
 int64_t oled_experts_read(const ExpertJob *job) {

@@ -147,14 +147,13 @@ def expert_rows(
     A CPU expert's call has a few rows of the T*K, and touching all of them costs milliseconds.
     With `native` (CPU experts beside a GPU: the host as a second link), bf16 experts with at
     most `cpu.MAX_TOKENS` pairs go through the C kernel where `cpu.chosen`: the same rounding
-    points, sums in another order; the pairs are then grouped with numpy, and the outputs are
-    views of `space`'s buffers when given. Without it (the CPU device's own path) torch
+    points, sums in another order; the pairs are then grouped in C, and the outputs are views
+    of `space`'s buffers (given, or a new one). Without it (the CPU device's own path) torch
     computes every pair, as the resident model there does.
     """
     if native and cpu.chosen(x, w13, w2):
-        return _native_rows(
-            x, cpu.Groups.of(slots.numpy()), slots.shape[1], weights, w13, w2, space
-        )
+        w = weights if weights.dtype == torch.float32 else weights.float()
+        return _native_rows(x, slots.numpy(), w.numpy(), w13, w2, space or cpu.Space())
     s, k = w13.shape[0], slots.shape[1]
     order, grouped = _by_slot(slots, s)
     n = int(torch.count_nonzero(grouped < s))  # valid pairs sort first
@@ -163,38 +162,31 @@ def expert_rows(
 
 
 def _native_rows(
-    x: Tensor,
-    groups: cpu.Groups,
-    k: int,
-    weights: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-    space: cpu.Space | None,
+    x: Tensor, slots: np.ndarray, weights: np.ndarray, w13: Tensor, w2: Tensor, space: cpu.Space
 ) -> tuple[Tensor, Tensor]:
-    """`expert_rows` of `groups`' pairs through the C kernel, but for experts with more than
-    `cpu.MAX_TOKENS` pairs (torch's products are faster there): (index [N], rows [N, H] fp32)."""
-    space = space or cpu.Space()
-    order, counts = groups.order, groups.counts  # [N], [G]
-    index, rows = space.outputs(len(order), x.shape[-1])  # [N], [N, H]
-    index.numpy()[:] = order
-    w = weights.float().numpy().reshape(-1)[order]  # [N]
+    """`expert_rows` of the pairs at `slots` [T, K] (gate weights [T, K] fp32) through the C
+    kernel, but for experts with more than `cpu.MAX_TOKENS` pairs (torch's products are faster
+    there): (index [N], rows [N, H] fp32), views of `space`'s outputs."""
+    g = cpu.group(slots, weights, w13.shape[0], space)  # its order is the index's buffer
+    index, rows = space.outputs(len(g.order), x.shape[-1])  # [N], [N, H]
+    if not len(g.order):
+        return index, rows
+    if g.largest <= cpu.MAX_TOKENS:
+        cpu.expert_rows(x, g.experts, g.offs, g.tokens, g.weights, w13, w2, out=rows, space=space)
+        return index, rows
+    counts = g.counts  # [G]
     small = counts <= cpu.MAX_TOKENS  # [G] experts for the C kernel
-    if not len(order):
-        return index, rows
-    if small.all():
-        cpu.expert_rows(
-            x, groups.experts, groups.offs, order // k, w, w13, w2, out=rows, space=space
-        )
-        return index, rows
     few = np.repeat(small, counts)  # [N] their pairs
     offs = np.concatenate(([0], counts[small].cumsum()))  # [G' + 1]
     part = cpu.expert_rows(
-        x, groups.experts[small], offs, order[few] // k, w[few], w13, w2, space=space
+        x, g.experts[small], offs, g.tokens[few], g.weights[few], w13, w2, space=space
     )
     rows[torch.from_numpy(few)] = part
-    many = torch.from_numpy(order[~few])  # [N - N'] pairs of the large groups
-    grouped = torch.from_numpy(np.repeat(groups.experts[~small], counts[~small]))
-    rows[torch.from_numpy(~few)] = _weighted_mlp(x, many, grouped, k, weights, w13, w2)
+    many = torch.from_numpy(g.order[~few].copy())  # [N - N'] pairs of the large groups
+    grouped = torch.from_numpy(np.repeat(g.experts[~small], counts[~small]))
+    rows[torch.from_numpy(~few)] = _weighted_mlp(
+        x, many, grouped, slots.shape[1], torch.from_numpy(weights), w13, w2
+    )
     return index, rows
 
 

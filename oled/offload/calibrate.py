@@ -39,7 +39,7 @@ from oled.offload.host_experts import HostExperts
 from oled.policies.base import CostModel
 from oled.threads import contended, loadavg, others_busy, read_sample, visible_cpus
 
-_PATHS = "rows-5"  # the engine's copy and CPU-expert paths: a new one measures again
+_PATHS = "rows-6"  # the engine's copy and CPU-expert paths: a new one measures again
 _METHOD = "rounds-2"  # how the figures are measured and checked: a new method measures again
 
 ROUNDS = 5  # interleaved rounds, each timing every figure once

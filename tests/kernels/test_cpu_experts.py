@@ -104,14 +104,21 @@ def test_the_cpu_devices_own_path_stays_torchs(monkeypatch):
 def test_the_pairs_group_by_expert_as_torchs_stable_sort(seed):
     g = torch.Generator().manual_seed(seed)
     slots = torch.randint(-1, 6, (5 + seed, 3), generator=g)  # [T, K], -1: elsewhere
-    groups = cpu.Groups.of(slots.numpy())
+    weights = torch.rand(slots.shape, generator=g)  # [T, K]
+    groups = cpu.group(slots.numpy(), weights.numpy(), 6, cpu.Space())
     flat = torch.where(slots.reshape(-1) < 0, 99, slots.reshape(-1))
     order = torch.argsort(flat, stable=True)[: int((flat < 99).sum())]
     assert groups.order.tolist() == order.tolist()
     assert groups.experts.tolist() == sorted(set(flat[order].tolist()))
     assert groups.counts.tolist() == [int((flat == e).sum()) for e in groups.experts]
-    empty = cpu.Groups.of(torch.full((2, 2), -1).numpy())
+    assert groups.largest == max(groups.counts)
+    assert groups.tokens.tolist() == (order // 3).tolist()
+    assert groups.weights.tolist() == weights.reshape(-1)[order].tolist()
+    empty = cpu.group(torch.full((2, 2), -1).numpy(), weights[:2, :2].numpy(), 6, cpu.Space())
     assert len(empty.order) == len(empty.experts) == 0 and empty.offs.tolist() == [0]
+    slots[0, 0] = 5
+    with pytest.raises(ValueError, match="past the table's 5 experts"):
+        cpu.group(slots.numpy(), weights.numpy(), 5, cpu.Space())
 
 
 def test_kept_buffers_give_the_bits_of_fresh_ones_and_wait_for_their_last_use():
