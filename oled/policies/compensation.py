@@ -60,10 +60,10 @@ class CooperativeCompensation(CompensationPolicy):
     Misses are ranked by what copying saves (their CPU time + future_weight x reuse x the copy
     cost of missing them again); the first k are copied, k minimising max(copy queue + copies,
     CPU queue + CPU work) + future_weight x reuse x copy cost of every miss left on the CPU.
-    CPU work is counted `slowdown` times its cost-model time: CPU experts and copies that run
-    at once slow each other (host memory bandwidth, the interpreter lock; measured 6.2 ms of CPU
-    experts alone against 13.4 ms beside copies, DESIGN.md section 5). `slowdown` is
-    `cpu_slowdown`, so the same recipe decides the same on every run. Live adaptation is
+    CPU work is counted `slowdown` times its cost-model time, for CPU experts slower in the
+    engine than calibrated (with torch's CPU experts 2.2x, beside copies; in C the engine's time
+    is 0.9-1.2x the model's, so the default is 1). `slowdown` is `cpu_slowdown`, so the same
+    recipe decides the same on every run. Live adaptation is
     opt-in: with `learn_rate` > 0 it follows the engine's measured CPU-expert time over the
     cost model's (an average moving by `learn_rate` per measured layer), and decisions then
     depend on the moment's timings (`adaptive`).
@@ -76,7 +76,7 @@ class CooperativeCompensation(CompensationPolicy):
         *,
         future_weight: float = 1.0,
         horizon: int = 1,
-        cpu_slowdown: float = 2.2,
+        cpu_slowdown: float = 1.0,
         learn_rate: float = 0.0,
     ) -> None:
         if cpu_slowdown <= 0 or not 0 <= learn_rate <= 1:
