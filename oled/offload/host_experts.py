@@ -1,5 +1,5 @@
 """A layer's CPU experts beside a GPU, as the offload engine pays for them: their rows computed
-on the host (the C kernel's pairs grouped with numpy) into pinned buffers kept between calls, then
+on the host (their pairs grouped and computed in C) into pinned buffers kept between calls, then
 added into the layer's pairs on the device. The cost calibration times this same path."""
 
 from __future__ import annotations
