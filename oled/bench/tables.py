@@ -18,6 +18,8 @@ OFFLOAD_COLUMNS = [
     "copy MB/it",
     "CPU share",
     "prompt CPU",
+    "CPU ms/expert",
+    "CPU / model",
     "stall ms/it",
     "copy ms/it",
     "copy GB/s",
@@ -127,7 +129,8 @@ def _agreement_cells(agreement: dict[str, Any] | None) -> list[str]:
 
 def _offload_cells(o: dict[str, Any], prompt_ms: float | None) -> list[str]:
     """The cells under OFFLOAD_COLUMNS (`prompt_ms` against its copies' time: 1.00x when the
-    copy stream is busy all through the prompt forward)."""
+    copy stream is busy all through the prompt forward; a decode CPU expert's host time and the
+    engine's CPU-expert time over the calibrated model's, n/a without CPU experts)."""
     copies = o.get("prompt_copy_ms")
     return [
         fmt(o.get("hit_rate"), "{:.1%}"),
@@ -135,6 +138,8 @@ def _offload_cells(o: dict[str, Any], prompt_ms: float | None) -> list[str]:
         fmt(o.get("copy_bytes_per_iteration"), "{:.1f}", 1e-6),
         fmt(o.get("cpu_share"), "{:.1%}"),
         fmt(o.get("prompt_cpu_share"), "{:.1%}"),
+        fmt(o.get("cpu_ms_per_expert"), "{:.3f}"),
+        fmt(o.get("cpu_time_over_model"), "{:.2f}x"),
         fmt(o.get("stall_ms_per_iteration"), "{:.2f}"),
         fmt(o.get("copy_ms_per_iteration"), "{:.2f}"),
         fmt(o.get("copy_gb_per_s"), "{:.1f}"),

@@ -116,15 +116,26 @@ def test_offload_columns_and_ratios():
     assert "2.00x" in text and "50.0%" in text and "hit rate" in text
     assert "ahead/it" not in text  # no row copied ahead
     ahead = _engine_summary(
-        {}, {"copies": 8, "predicted": 4, "predicted_hits": 1, "cpu_experts": 2, "cpu_ms": 0.5}
+        {},
+        {
+            "copies": 8,
+            "predicted": 4,
+            "predicted_hits": 1,
+            "cpu_experts": 2,
+            "cpu_ms": 0.5,
+            "cpu_model_ms": 0.4,
+        },
     )
     rows = bench.with_ratios([*rows, bench.summarise("ahead", [stats([1.0, 5.0])], [ahead])])
     assert rows[-1]["offload"]["predicted_used"] == 0.25
     assert rows[-1]["offload"]["cpu_ms_per_expert"] == 0.25
-    console = Console(record=True, width=320)
+    assert rows[-1]["offload"]["cpu_time_over_model"] == 1.25
+    console = Console(record=True, width=360)
     console.print(bench.table(rows))
     text = console.export_text()
     assert "ahead/it (used)" in text and "4.0 (25%)" in text
+    # the CPU expert's time and the model's fit, beside rows without CPU experts (n/a)
+    assert "CPU / model" in text and "0.250" in text and "1.25x" in text
 
 
 def test_random_prompt_is_seeded(tiny_dir):
