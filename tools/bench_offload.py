@@ -436,7 +436,7 @@ def row_label(c: Combo, frac: float, recorded: bool, compiled: bool, engine: Off
 
 def print_summary(bench: Bench) -> None:
     """The table of every row (and the stage and host tables with --profile); the report."""
-    console = Console(highlight=False, width=320)
+    console = Console(highlight=False, width=360)  # 25 columns and the copies ahead fit
     console.print(table(with_ratios(bench.rows)))
     if bench.args.profile:
         console.print(stage_table(bench.rows))

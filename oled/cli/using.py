@@ -542,7 +542,7 @@ def _bench_rows(
         del rt
         gc.collect()
     rows = b.with_ratios(rows)
-    out = Console(highlight=False, width=max(290, Console().width))  # 23 columns fit
+    out = Console(highlight=False, width=max(330, Console().width))  # 25 columns fit
     out.print(b.table(rows))
     if any("stages_ms_per_iteration" in r for r in rows):
         out.print(b.stage_table(rows))
