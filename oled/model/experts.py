@@ -182,7 +182,7 @@ def _native_rows(
         x, g.experts[small], offs, g.tokens[few], g.weights[few], w13, w2, space=space
     )
     rows[torch.from_numpy(few)] = part
-    many = torch.from_numpy(g.order[~few].copy())  # [N - N'] pairs of the large groups
+    many = torch.from_numpy(g.order[~few])  # [N - N'] pairs of the large groups (a copy)
     grouped = torch.from_numpy(np.repeat(g.experts[~small], counts[~small]))
     rows[torch.from_numpy(~few)] = _weighted_mlp(
         x, many, grouped, slots.shape[1], torch.from_numpy(weights), w13, w2

@@ -516,9 +516,12 @@ class _Probes:
 
         host = HostExperts(self.device)  # as the engine computes them and sends them back
         pairs = torch.zeros(t, k, h, dtype=torch.float32, device=self.device)  # [T, K, H]
+        # the activations' host buffer, pinned beside a GPU as the engine's is
+        x_host = torch.empty(t, h, dtype=x.dtype, pin_memory=host.cuda)  # [T, H]
 
         def run() -> Tensor:
-            index, rows = host.rows(x.to("cpu"), next(calls), weights, self.w13, self.w2)
+            x_host.copy_(x)  # waits for the copy, as the engine waits for its event
+            index, rows = host.rows(x_host, next(calls), weights, self.w13, self.w2)
             host.add(pairs, index, rows)
             return pairs
 
