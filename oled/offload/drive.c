@@ -249,13 +249,13 @@ static int64_t launch(Drive *d, const Call *c, int64_t layer, int64_t rows, int6
  * launch it when the call is ready; 1: launched, 0: planned only (the engine launches), -1: an
  * expert id out of range, -2: a runtime call failed (d->error), -3: the routing does not fit
  * the planner's buffers (nothing planned). A launched call's counts go to d->counts. */
-int64_t oled_layer(Drive *d, const Call *c, int64_t layer, int64_t step, int64_t block,
-                   double slowdown, int64_t gpu_only) {
+int64_t oled_layer(Drive *d, const Call *c, int64_t layer, int64_t step, int64_t clock,
+                   int64_t block, double slowdown, int64_t gpu_only) {
     double t0 = now();
     int64_t rc = oled_route_in(d->bind, (const int64_t *)(intptr_t)c->ids_host,
                                (const float *)(intptr_t)c->w_host, c->pairs);
     if (rc) return rc;
-    rc = oled_plan(d->bind, layer, c->pairs, step, block, 0.0, 0.0, slowdown, gpu_only);
+    rc = oled_plan(d->bind, layer, c->pairs, step, clock, block, 0.0, 0.0, slowdown, gpu_only);
     if (rc) return rc;
     double t1 = now();
     const int64_t *h = d->out, *out = d->out;

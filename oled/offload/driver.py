@@ -59,7 +59,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     """drive.c's entry points' signatures, and plan.c's (built in)."""
     native.declare(lib)
     lib.oled_layer.restype = _i
-    lib.oled_layer.argtypes = [_p, _p, _i, _i, _i, ctypes.c_double, _i]
+    lib.oled_layer.argtypes = [_p, _p, _i, _i, _i, _i, ctypes.c_double, _i]
     lib.oled_collect.restype = _i
     lib.oled_collect.argtypes = [_p]
 
@@ -208,7 +208,7 @@ class LayerDriver:
             self.drive.compute = self._stream = stream.cuda_stream
         p = self.plan.planner
         rc = self._layer(
-            self.ref, call[2], layer, p.step, p.block, self.plan.slowdown(), p.gpu_only
+            self.ref, call[2], layer, p.step, p.clock, p.block, self.plan.slowdown(), p.gpu_only
         )
         if rc == -3:  # the routing does not fit: planned alone (reserved with the call, so rare)
             self.plan.run(layer, ids, weights, None)

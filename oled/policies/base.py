@@ -252,7 +252,9 @@ class RetentionPolicy(ABC):
         self.num_experts = num_experts
 
     def route(self, layer: int, ids: np.ndarray, weights: np.ndarray, step: int = 0) -> None:
-        """This forward's routing [T, K] of `layer` at plan time, before decoding (optional)."""
+        """This forward's routing [T, K] of `layer` at plan time, before decoding (optional).
+        `step`: the planner's clock, forwards since it began; it never goes back, so recency
+        compares across generations."""
         return None
 
     def observe(self, layer: int, ids: np.ndarray, weights: np.ndarray, ctx: StepContext) -> None:
@@ -264,7 +266,7 @@ class RetentionPolicy(ABC):
         return None
 
     def on_hit(self, layer: int, experts: np.ndarray, step: int) -> None:
-        """Cached experts were used at `step`."""
+        """Cached experts were used at `step` (the planner's clock, as in `route`)."""
         return None
 
     @abstractmethod

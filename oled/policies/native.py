@@ -66,7 +66,7 @@ _d = ctypes.c_double
 def declare(lib: ctypes.CDLL) -> None:
     """plan.c's entry points' signatures (drive.c's: oled.offload.driver)."""
     lib.oled_plan.restype = _i
-    lib.oled_plan.argtypes = [_p, _i, _i, _i, _i, _d, _d, _d, _i]
+    lib.oled_plan.argtypes = [_p, _i, _i, _i, _i, _i, _d, _d, _d, _i]
     lib.oled_layout.restype = None
     lib.oled_layout.argtypes = [_i, _p]
 
@@ -172,7 +172,7 @@ class CompiledPlan:
         np.copyto(self.weights[:n], weights.reshape(-1))
         copy_q, cpu_q = (load.copy_queue_ms, load.cpu_queue_ms) if load else (0.0, 0.0)
         rc = self.lib.oled_plan(
-            self.ref, layer, n, p.step, p.block, copy_q, cpu_q, self.slowdown(), p.gpu_only
+            self.ref, layer, n, p.step, p.clock, p.block, copy_q, cpu_q, self.slowdown(), p.gpu_only
         )
         self.finish(layer, rc, ids)
 
@@ -191,7 +191,7 @@ class CompiledPlan:
             bad = ids[(ids < 0) | (ids >= self.E)]
             raise ValueError(f"layer {layer}: expert ids {bad[:8].tolist()} outside [0, {self.E})")
         if self.lru is not None:
-            self.lru.now = self.planner.step
+            self.lru.now = self.planner.clock
 
     def unpack(self, layer: int) -> LayerPlan:
         """The LayerPlan that the last `run` left in the output buffer."""

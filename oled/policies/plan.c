@@ -21,7 +21,7 @@ enum { S_REST, S_REFRESH, S_PREFETCH, S_WANT, S_PROTECT, S_QUEUE, S_CAND, S_ORDE
 
 typedef struct {
     const Bind *b;
-    int64_t layer, step, E, cap;
+    int64_t layer, step, clock, E, cap; /* step: of the generation; clock: of the planner */
     int32_t *slot_of, *expert_in;
     int64_t *counts;
     double *prio; /* the row victims are chosen by */
@@ -93,8 +93,8 @@ static void route(const Layer *L, const int64_t *ids, const double *w, int64_t n
     double *p = b->priority + off;
     switch (b->ret_kind) {
     case RET_LRU:
-        for (int64_t i = 0; i < n; i++) p[ids[i]] = (double)L->step;
-        for (int64_t i = 0; i < n_hits; i++) p[hits[i]] = (double)L->step;
+        for (int64_t i = 0; i < n; i++) p[ids[i]] = (double)L->clock;
+        for (int64_t i = 0; i < n_hits; i++) p[hits[i]] = (double)L->clock;
         break;
     case RET_LFU:
         if (b->lfu.decay != 1.0)
@@ -126,7 +126,7 @@ static void reuse(const Layer *L, const int64_t *experts, int64_t n, double *out
     switch (b->ret_kind) {
     case RET_LRU:
         for (int64_t i = 0; i < n; i++)
-            out[i] = pow(0.5, fmax(0.0, (double)L->step - p[experts[i]]));
+            out[i] = pow(0.5, fmax(0.0, (double)L->clock - p[experts[i]]));
         break;
     case RET_LFU: {
         double top = p[0];
@@ -355,12 +355,12 @@ int64_t oled_route_in(const Bind *b, const int64_t *ids, const float *weights, i
 
 /* Planner.plan for one MoE layer over the n routed pairs in b->ids / b->weights; returns 0, or
  * -1 when an id is outside [0, E). The decisions go to b->out (see pack). */
-int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t block,
-                  double copy_q, double cpu_q, double slowdown, int64_t gpu_only) {
+int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t clock,
+                  int64_t block, double copy_q, double cpu_q, double slowdown, int64_t gpu_only) {
     int64_t E = b->num_experts, *sc = b->scratch, *o = region(sc, E, N_SCRATCH);
     const int64_t *ids = b->ids;
     const double *w = b->weights;
-    Layer L = {b, layer, step, E, b->capacity[layer], b->slot_of + layer * E,
+    Layer L = {b, layer, step, clock, E, b->capacity[layer], b->slot_of + layer * E,
                b->expert_in + layer * E, region(o, E, OUT_COUNTS), b->priority + layer * E};
     int64_t n_free = b->n_free[layer]; /* the cache's free slots (ExpertCache.n_free) */
     int64_t *counts = L.counts, *hits = region(o, E, OUT_HITS), *misses = region(o, E, OUT_MISSES);
@@ -430,7 +430,7 @@ int64_t oled_plan(const Bind *b, int64_t layer, int64_t n, int64_t step, int64_t
     if (n_cache) {
         n_free -= place(&L, copy_e, copy_s, n_cache);
         if (b->ret_kind == RET_LRU)
-            for (int64_t i = 0; i < n_cache; i++) L.prio[copy_e[i]] = (double)step;
+            for (int64_t i = 0; i < n_cache; i++) L.prio[copy_e[i]] = (double)clock;
     }
 
     /* overflow: needed copies through the stage, or to the CPU without one */

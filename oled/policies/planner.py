@@ -306,8 +306,9 @@ class Planner:
         self.allocation, self.retention, self.compensation = allocation, retention, compensation
         self.cost = cost
         self.stats_alpha = stats_alpha
-        self.step = 0
+        self.step = 0  # the forward of the generation
         self.block = 0
+        self.clock = 0  # forwards since the planner began, across generations (recency)
         self.gpu_only = False  # every miss copied, whatever the compensation says
         self.state = PlanState(num_layers=num_layers, num_experts=num_experts)  # once
         self.stats = PlannerStats(self.state.counters)
@@ -491,7 +492,7 @@ class Planner:
     def begin_step(self, *, step: int, block: int) -> None:
         """Optional: name the forward about to run (else inferred from `observe`); step 0 starts
         a generation, with no forward before it to copy ahead from."""
-        self.step, self.block = step, block
+        self._to_step(step, block)
         if step == 0:
             self._routed = [None] * self.num_layers
 
@@ -511,7 +512,13 @@ class Planner:
         """After decoding: hand the forward's routing and token states to the retention policy."""
         self.retention.observe(layer, ids, weights, ctx)
         if ctx.step + 1 > self.step:
-            self.step, self.block = ctx.step + 1, ctx.block
+            self._to_step(ctx.step + 1, ctx.block)
+
+    def _to_step(self, step: int, block: int) -> None:
+        """Move to forward `step`; the clock advances with it and never goes back: a new
+        generation (a step below the current one) is one forward after the last."""
+        self.clock += step - self.step if step >= self.step else step + 1
+        self.step, self.block = step, block
 
     def observe_cpu(self, layer: int, cpu_tokens: np.ndarray, measured_ms: float) -> float:
         """The engine's time for a layer's CPU experts (tokens per expert) to the compensation
@@ -547,9 +554,9 @@ class Planner:
         misses = needed[missed]
         hits = needed[~missed] if len(misses) else needed
         self._measure(layer, counts, needed)
-        ret.route(layer, ids, weights, self.step)
+        ret.route(layer, ids, weights, self.clock)
         if len(hits):
-            ret.on_hit(layer, hits, self.step)
+            ret.on_hit(layer, hits, self.clock)
         prefetch, protect, want, want_reuse, cpu = self._decide(layer, counts, misses, load)
         order, copy_experts, copy_slots, victims = self._fill(
             layer, prefetch, want, want_reuse, protect

@@ -169,7 +169,7 @@ def run(p, d, call, routing, layer, ids, weights) -> int:
     """One layer call through drive.c, its routing in the call's host buffers."""
     routing[0][:], routing[1][:] = ids, weights
     rc = driver.library().oled_layer(
-        ctypes.byref(d), ctypes.byref(call), layer, p.step, p.block, 1.0, 0
+        ctypes.byref(d), ctypes.byref(call), layer, p.step, p.clock, p.block, 1.0, 0
     )
     p.native.finish(layer, rc, ids)
     return rc
@@ -364,7 +364,7 @@ def test_a_routing_larger_than_the_planners_buffers_is_refused():
     p, d, call, rt, _ = setup(C.TransferOnly())
     call.pairs = len(p.native.ids) + 1
     lib = driver.library()
-    assert lib.oled_layer(ctypes.byref(d), ctypes.byref(call), 0, 0, 0, 1.0, 0) == -3
+    assert lib.oled_layer(ctypes.byref(d), ctypes.byref(call), 0, 0, 0, 0, 1.0, 0) == -3
     assert rt.calls == [] and p.stats.plans.sum() == 0
 
 

@@ -364,3 +364,22 @@ def test_unknown_ahead_source() -> None:
             cost=COST,
             ahead_from="next",  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_lru_recency_carries_across_generations(compiled: bool) -> None:
+    # a generation's late forwards must not look newer than the next generation's first ones
+    planner = Planner.for_model(
+        1, 8, 1, 2, stage_capacity=2, cost=COST, allocation=UniformAllocation(),
+        retention=LRURetention(), compensation=TransferOnly(), compiled=compiled,
+    )  # fmt: skip
+    w = np.ones((1, 1), np.float32)
+    for step, expert in enumerate([0, 0, 0, 1]):  # generation 1: expert 1 used last, at step 3
+        planner.begin_step(step=step, block=0)
+        planner.plan(0, np.array([[expert]]), w)
+    planner.begin_step(step=0, block=0)  # generation 2
+    planner.plan(0, np.array([[0]]), w)  # expert 0 is now the most recent
+    planner.begin_step(step=1, block=0)
+    plan = planner.plan(0, np.array([[2]]), w)
+    assert plan.evicted.tolist() == [1]
+    assert planner.clock == 5
