@@ -5,8 +5,9 @@
 
 Misses per forward (all MoE layers) and their multiple of Belady's with bypass at the equal
 split; OLED rows use the curves file's split (fitted on the tuning split only). "Belady in the
-planner" is the bound for any retention policy under the planner's rules (every miss cached,
-the forward's own experts kept): the planner evicting the cached expert used furthest ahead. With --ahead:
+planner" is the planner evicting the cached expert used furthest ahead: the bound for any
+retention policy under the planner's rules (every miss cached, the forward's own experts kept)
+where a layer holds every expert a forward needs (not at 25% on the twin). With --ahead:
 each row without copies ahead, with copies ahead from the forward before (runtime.ahead_from =
 "previous") and, where the trace records the next-layer prediction, from the router's
 (runtime.ahead_from = "router", replayed from the trace): misses per forward, the modelled
@@ -22,10 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from oled import registry
-from oled.policies.base import CostModel, RetentionPolicy, lowest
+from oled.policies.base import CostModel
 from oled.policies.planner import AheadFrom
 from oled.trace.format import Trace
-from oled.trace.simulate import belady_bypass, simulate
+from oled.trace.simulate import ClairvoyantRetention, belady_bypass, simulate
 
 BUDGETS = (0.25, 0.375, 0.5, 0.625, 0.75)
 # row -> (allocation, retention, compensation); "curves" takes --curves
@@ -41,36 +42,6 @@ ROWS = {
     "  uniform allocation": ("uniform", "lfu", "cooperative"),
     "  confidence retention": ("curves", "confidence", "cooperative"),
 }
-
-
-class Clairvoyant(RetentionPolicy):
-    """Belady's choice inside the planner (simulator only): the victims are the cached experts
-    whose next use in the trace is furthest ahead (ties to the lower id)."""
-
-    def __init__(self, trace: Trace) -> None:
-        L, S, E = trace.meta.num_moe_layers, trace.num_steps, trace.meta.num_experts
-        step_of_row = np.repeat(np.arange(S), np.diff(trace.row_offsets))  # [rows]
-        used = np.zeros((L, S, E), bool)
-        used[np.arange(L)[:, None, None], step_of_row[None, :, None], trace.ids] = True
-        self.next_use = np.empty((L, S, E), np.float64)  # the next forward after s using e
-        ahead = np.full((L, E), np.inf)
-        for s in range(S - 1, -1, -1):
-            self.next_use[:, s] = ahead
-            ahead = np.where(used[:, s], s, ahead)
-        self.forward = -1
-
-    def reset(self, *, num_layers: int, num_experts: int) -> None:
-        super().reset(num_layers=num_layers, num_experts=num_experts)
-        self.forward = -1
-
-    def route(self, layer: int, ids: np.ndarray, weights: np.ndarray, step: int = 0) -> None:
-        self.forward += layer == 0  # one call per layer and forward, in order
-
-    def victims(self, layer: int, candidates: np.ndarray, n: int) -> np.ndarray:
-        return lowest(-self.next_use[layer, self.forward], candidates, n)
-
-    def reuse(self, layer: int, experts: np.ndarray) -> np.ndarray:
-        return 1.0 / (self.next_use[layer, self.forward, experts] - self.forward)
 
 
 def build(kind: str, name: str, curves: str) -> object:
@@ -175,7 +146,7 @@ def main() -> None:
                 total_slots=slots,
                 cost=CostModel.profile("h200"),
                 allocation=build("allocation", "uniform", args.curves),
-                retention=Clairvoyant(trace),
+                retention=ClairvoyantRetention(trace),
                 compensation=build("compensation", "transfer_only", args.curves),
             )
             cell["Belady in the planner"] = (req - int(np.sum(sim.stats["hits"]))) / S

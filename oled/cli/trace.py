@@ -113,6 +113,15 @@ def simulate_cmd(
     baselines: Annotated[
         bool, typer.Option("--baselines", help="Also replay every baseline at the same budget.")
     ] = False,
+    bound: Annotated[
+        bool,
+        typer.Option(
+            "--bound",
+            help="Also replay the recipe's allocation with Belady's choice inside the planner "
+            "(evict the furthest next use, every miss copied): the least any retention misses "
+            "where a layer holds a forward's experts.",
+        ),
+    ] = False,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
     devices: Annotated[
         int | None,
@@ -126,6 +135,9 @@ def simulate_cmd(
     """Replay a trace through policies: misses per forward, Belady's at the same capacities and
     the multiple, modelled latency, copies, CPU share and the share of the link's time hidden
     under compute (the recipe's model, where it is on this machine, must route like the trace).
+    With --bound, a row "bound": the recipe's allocation with Belady's choice inside the
+    planner, the least misses any retention policy can reach under the planner's rules where a
+    layer holds every expert a forward needs.
     With `runtime.prefetch` > 0, copies ahead replay (per forward, and how many the next layer
     then needed): `runtime.ahead_from = "router"` from the next-layer prediction the trace
     records (none where it records none: the table's caption says so), "previous" from the
@@ -152,6 +164,8 @@ def simulate_cmd(
                 }
             )
     split = (devices or base.runtime.devices) > 1
+    if bound and split:
+        raise typer.BadParameter("the clairvoyant bound is for one device", param_hint="--bound")
     ahead = base.runtime.prefetch > 0
     title = f"{trace_file.name}: {trace.num_steps} forwards"
     if split:
@@ -174,11 +188,15 @@ def simulate_cmd(
             table.add_column(col, no_wrap=True, min_width=max(map(len, runs)))
         else:
             table.add_column(col, justify="right")
-    for name, run in runs.items():
-        res, bound = simulate_recipe(trace, run, profile=profile, devices=devices)
+    rows = [(name, run, False) for name, run in runs.items()]
+    rows += [("bound", base, True)] if bound else []
+    for name, run, clairvoyant in rows:
+        res, best = simulate_recipe(
+            trace, run, profile=profile, devices=devices, clairvoyant=clairvoyant
+        )
         requests = sum(res.stats["requests"])
         misses = requests - sum(res.stats["hits"])
-        least = requests * (1 - bound)  # Belady's misses at the same capacities
+        least = requests * (1 - best)  # Belady's misses at the same capacities
         forwards = max(1, res.iterations)
         each = " / ".join(f"{d['misses'] / forwards:.1f}" for d in res.per_device)
         table.add_row(

@@ -6,14 +6,20 @@ from __future__ import annotations
 from oled.offload.budget import shape_slots
 from oled.policies import with_oled_defaults
 from oled.policies.base import CostModel
+from oled.policies.compensation import TransferOnly
 from oled.recipe import Recipe
 from oled.recipe.load import routes_unlike
 from oled.trace.format import Trace
-from oled.trace.simulate import SimResult, belady_bypass, simulate
+from oled.trace.simulate import ClairvoyantRetention, SimResult, belady_bypass, simulate
 
 
 def simulate_recipe(
-    trace: Trace, recipe: Recipe, *, profile: str | None = None, devices: int | None = None
+    trace: Trace,
+    recipe: Recipe,
+    *,
+    profile: str | None = None,
+    devices: int | None = None,
+    clairvoyant: bool = False,
 ) -> tuple[SimResult, float]:
     """Replay `trace` through a recipe's policies and budget (the runtime's budget kinds that
     count slots, sized for the traced model's shape; the recipe's stage capacity and copies
@@ -22,7 +28,9 @@ def simulate_recipe(
     `devices` (default: the recipe's `runtime.devices`): that many devices split the experts,
     the budget per device over its share. The bound is Belady's at the devices' slots together
     (a split's hits never exceed it). A ValueError when the recipe's model (where it is on
-    this machine) does not route like the trace."""
+    this machine) does not route like the trace. `clairvoyant`: the recipe's allocation with
+    Belady's choice inside the planner (ClairvoyantRetention, every miss copied), the bound for
+    its retention; one device only."""
     meta = trace.meta
     mismatch = routes_unlike(meta, recipe.model.path)
     if mismatch is not None:
@@ -33,6 +41,8 @@ def simulate_recipe(
             f"simulation: {meta.num_experts} experts per layer do not split evenly over "
             f"{devices} devices"
         )
+    if clairvoyant and devices > 1:
+        raise ValueError("simulation: the clairvoyant bound is for one device")
     share = meta.num_experts // devices
     try:
         slots = shape_slots(recipe.runtime.budget, meta.num_moe_layers, share)
@@ -41,6 +51,9 @@ def simulate_recipe(
     cost_name = profile or recipe.runtime.cost
     if cost_name == "calibrate":
         raise ValueError("simulation needs a named cost profile: --profile h200 or cpu-ci")
+    policies = with_oled_defaults(**recipe.policy.build())
+    if clairvoyant:
+        policies |= {"retention": ClairvoyantRetention(trace), "compensation": TransferOnly()}
     result = simulate(
         trace,
         total_slots=slots,
@@ -50,7 +63,7 @@ def simulate_recipe(
         ahead_from=recipe.runtime.ahead_from,
         devices=devices,
         fresh_policies=lambda: with_oled_defaults(**recipe.policy.build()),
-        **with_oled_defaults(**recipe.policy.build()),
+        **policies,
     )
     bound = belady_bypass(trace, result.capacity_history)
     return result, bound

@@ -42,6 +42,7 @@ from oled.policies.base import (
     Load,
     RetentionPolicy,
     StepContext,
+    lowest,
 )
 from oled.policies.planner import AheadFrom, LayerPlan, Planner, PlannerStats, layer_times
 from oled.policies.share import SharePlanner, share_ids
@@ -534,3 +535,41 @@ def belady_bypass(trace: Trace, capacities: list[int] | list[list[int]] | np.nda
         hits += belady_layer(experts, steps, cap)
         total += len(experts)
     return hits / max(1, total)
+
+
+class ClairvoyantRetention(RetentionPolicy):
+    """Belady's choice inside the planner (replays of `trace` only): the victims are the cached
+    experts whose next use in the trace is furthest ahead (ties to the lower id). With
+    transfer-only compensation, where a layer holds every expert a forward needs, it is the
+    bound for any retention under the planner's rules (every miss cached, the forward's own
+    experts kept), as Belady's with bypass is for any cache. Where a forward needs more, the
+    overflow goes through the stage, and another policy may miss less."""
+
+    def __init__(self, trace: Trace) -> None:
+        L, S, E = trace.meta.num_moe_layers, trace.num_steps, trace.meta.num_experts
+        step_of_row = np.repeat(np.arange(S), np.diff(trace.row_offsets))  # [rows]
+        used = np.zeros((L, S, E), bool)
+        used[np.arange(L)[:, None, None], step_of_row[None, :, None], trace.ids] = True
+        self.next_use = np.empty((L, S, E), np.float64)  # the next forward after s using e
+        ahead = np.full((L, E), np.inf)
+        for s in range(S - 1, -1, -1):
+            self.next_use[:, s] = ahead
+            ahead = np.where(used[:, s], s, ahead)
+        self.forward = -1
+
+    def reset(self, *, num_layers: int, num_experts: int) -> None:
+        """Before the trace's first forward."""
+        super().reset(num_layers=num_layers, num_experts=num_experts)
+        self.forward = -1
+
+    def route(self, layer: int, ids: np.ndarray, weights: np.ndarray, step: int = 0) -> None:
+        """Count the forwards: one call per layer and forward, in order."""
+        self.forward += layer == 0
+
+    def victims(self, layer: int, candidates: np.ndarray, n: int) -> np.ndarray:
+        """The furthest next uses."""
+        return lowest(-self.next_use[layer, self.forward], candidates, n)
+
+    def reuse(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """1 / forwards until the next use (0 when never used again)."""
+        return 1.0 / (self.next_use[layer, self.forward, experts] - self.forward)

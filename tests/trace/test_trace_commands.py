@@ -72,6 +72,23 @@ def test_simulate_splits_the_experts_over_devices(tmp_path, tiny_dir):
     assert res.exit_code == 2 and "32 experts per layer do not split evenly over 3" in res.output
 
 
+def test_simulate_adds_the_clairvoyant_bound(tmp_path, tiny_dir):
+    """`--bound`: a row of the recipe's split with Belady's choice inside the planner, at most
+    the recipe's misses; one device only."""
+    geometry = {"num_layers": 3, "num_experts": 32, "top_k": 4}
+    runtime = 'budget = { expert_fraction = 0.5 }\ncost = "cpu-ci"'
+    res = _simulate(tmp_path, tiny_dir, runtime, "--bound", **geometry)
+    assert res.exit_code == 0, res.output
+    rows = {
+        cells[1].strip(): float(cells[2])
+        for line in res.output.splitlines()
+        if line.startswith("│") and (cells := line.split("│"))
+    }
+    assert set(rows) == {"recipe", "bound"} and rows["bound"] <= rows["recipe"]
+    res = _simulate(tmp_path, tiny_dir, runtime, "--bound", "--devices", "2", **geometry)
+    assert res.exit_code == 2 and "the clairvoyant bound is for one device" in res.output
+
+
 def test_simulate_needs_a_slot_budget(tmp_path, tiny_dir):
     res = _simulate(
         tmp_path,
