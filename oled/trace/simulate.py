@@ -548,13 +548,12 @@ class ClairvoyantRetention(RetentionPolicy):
     def __init__(self, trace: Trace) -> None:
         L, S, E = trace.meta.num_moe_layers, trace.num_steps, trace.meta.num_experts
         step_of_row = np.repeat(np.arange(S), np.diff(trace.row_offsets))  # [rows]
-        used = np.zeros((L, S, E), bool)
-        used[np.arange(L)[:, None, None], step_of_row[None, :, None], trace.ids] = True
-        self.next_use = np.empty((L, S, E), np.float64)  # the next forward after s using e
-        ahead = np.full((L, E), np.inf)
-        for s in range(S - 1, -1, -1):
-            self.next_use[:, s] = ahead
-            ahead = np.where(used[:, s], s, ahead)
+        used = np.full((L, S + 1, E), np.inf, np.float32)  # [L, S + 1, E]: s where e is used
+        used[np.arange(L)[:, None, None], step_of_row[None, :, None], trace.ids] = step_of_row[
+            None, :, None
+        ]
+        # the next forward after s that uses e (inf: none), a running minimum from the end
+        self.next_use = np.minimum.accumulate(used[:, :0:-1], axis=1)[:, ::-1]  # [L, S, E]
         self.forward = -1
 
     def reset(self, *, num_layers: int, num_experts: int) -> None:
