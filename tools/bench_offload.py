@@ -66,21 +66,37 @@ if TYPE_CHECKING:
 CURVES = "recipes/twin/oled.toml"
 CONFIGS = {
     **{name: lambda name=name: anchor_policies(name) for name in ANCHORS},
-    # OLED with one mechanism replaced by the baseline's, to see what each contributes
-    "oled/uniform-alloc": lambda: anchor_policies("oled") | {"allocation": A.UniformAllocation()},
-    "oled/transfer-only": lambda: anchor_policies("oled") | {"compensation": C.TransferOnly()},
-    "oled/lru-retention": lambda: anchor_policies("oled") | {"retention": R.LRURetention()},
     # `oled tune recipes/twin/tune.toml` on the twin's tuning split (recipes/twin/oled-tuned.toml)
     "oled-tuned": lambda: tuned("recipes/twin/oled-tuned.toml"),
     # recipes/twin/oled.toml: slots split on miss curves fitted on the tuning split, LFU
-    # retention, cooperative compensation; and with each mechanism swapped out
+    # retention, cooperative compensation
     "oled-curves": lambda: tuned(CURVES),
-    "oled-curves/uniform-alloc": lambda: tuned(CURVES) | {"allocation": A.UniformAllocation()},
-    "oled-curves/transfer-only": lambda: tuned(CURVES) | {"compensation": C.TransferOnly()},
-    "oled-curves/confidence-retention": lambda: (
-        tuned(CURVES) | {"retention": R.ConfidenceRetention()}
-    ),
 }
+# One mechanism replaced by another, to see what each contributes: "oled/uniform-alloc", or
+# several joined by "+", "oled-curves/transfer-only+uniform-alloc"
+SWAPS = {
+    "uniform-alloc": lambda: {"allocation": A.UniformAllocation()},
+    "transfer-only": lambda: {"compensation": C.TransferOnly()},
+    "lru-retention": lambda: {"retention": R.LRURetention()},
+    "confidence-retention": lambda: {"retention": R.ConfidenceRetention()},
+}
+SHOWN = [*CONFIGS, "oled/uniform-alloc", "oled/transfer-only", "oled/lru-retention"]
+SHOWN += [f"oled-curves/{s}" for s in ("uniform-alloc", "transfer-only", "confidence-retention")]
+
+
+def policies(name: str) -> dict:
+    """The policies of one config name: a base in CONFIGS, then its swaps after a "/"."""
+    base, _, swaps = name.partition("/")
+    if base not in CONFIGS or any(s not in SWAPS for s in swaps.split("+") if swaps):
+        raise SystemExit(
+            f"unknown config {name!r}: a base of {list(CONFIGS)}, then /SWAP[+SWAP]"
+            f" of {list(SWAPS)}"
+        )
+    out = CONFIGS[base]()
+    for s in swaps.split("+") if swaps else []:
+        out |= SWAPS[s]()
+    return out
+
 
 KERNEL_MODES = {"auto": ["auto"], "torch": ["torch"], "both": ["auto", "torch"]}
 GRAPH_MODES = {"on": [True], "off": [False], "both": [True, False]}
@@ -210,7 +226,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-runs", type=int, default=1)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--budgets", default="0.5,0.25,0.125")
-    ap.add_argument("--configs", default="all", help=f"comma-separated of: {', '.join(CONFIGS)}")
+    ap.add_argument(
+        "--configs",
+        default="all",
+        help=f"comma-separated of: {', '.join(SHOWN)} (swaps join with +)",
+    )
     ap.add_argument(
         "--prefetch", default="0", help="comma-separated experts per layer copied ahead (0 = off)"
     )
@@ -338,7 +358,9 @@ def record_resident(rt: Runtime, cfg: BenchConfig, out: Path) -> None:
 
 def combos(args: argparse.Namespace, kernel_modes: list[str]) -> list[Combo]:
     """Every offloaded row of one budget, in table order (every transfer)."""
-    names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
+    names = SHOWN if args.configs == "all" else args.configs.split(",")
+    for n in names:
+        policies(n)  # an unknown name fails before any row is measured
     graph_modes = GRAPH_MODES[args.graphs]
     ahead = [int(n) for n in args.prefetch.split(",")]
     planners, launches = args.planner.split(","), args.copies.split(",")
@@ -374,7 +396,7 @@ def offloaded_row(
     """Measure one offloaded row (and its host profile if --cprofile names it)."""
     ckpt, dev, args = bench.ckpt, bench.dev, bench.args
     use_batches(c.batched)
-    p = CONFIGS[c.name]()
+    p = policies(c.name)
     use_kernels(c.kernels)  # the cost calibration times the kernels the row runs
     cpu.use(c.cpu_experts)
     transfer = bench.transfer(c.transfer)
