@@ -1,7 +1,8 @@
 """Fused Triton kernels for CUDA devices; torch code stays the reference.
 
-The model's hot stages (RMSNorm, q/k norm + rotary + KV write, routing, the routed experts) each
-have a torch version in `oled.model` and a fused Triton version here (`norm`, `route`, `moe`).
+The model's hot stages (RMSNorm, q/k norm + rotary + KV write, routing, the routed experts, a
+batched forward's attention) each have a torch version in `oled.model` and a fused Triton version
+here (`norm`, `route`, `moe`, `attention`).
 `use(mode)` picks for the whole process: "auto" (the default) takes the fused kernels for CUDA
 tensors wherever triton imports, "triton" insists on them (an error where they cannot run),
 "torch" never takes them. They serve inference only: training (gradients, autocast) keeps the

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,9 +18,27 @@ if TYPE_CHECKING:
     from oled.model.model import BatchRows
 
 KV = tuple[Tensor, Tensor]  # one layer's key and value buffers
-# An attention mask: None (attend to all), a bool tensor, or for a batched forward with exact
-# spans (BatchRows.spans) one of them per sequence.
-Mask = Tensor | list[Tensor | None] | None
+
+
+@dataclass
+class BlockCausal:
+    """What a batched forward's padded query blocks see (BatchRows without spans): each
+    sequence its own slot's keys, block-causal over blocks of `block_length` positions. The
+    fused kernel reads the rule from the rows' tensors; the torch path attends with `tensor`,
+    built once per forward where first needed."""
+
+    rows: BatchRows
+    block_length: int
+
+    @functools.cached_property
+    def tensor(self) -> Tensor:
+        """rows.mask(block_length): [B, 1, t_max, keys] bool."""
+        return self.rows.mask(self.block_length)
+
+
+# An attention mask: None (attend to all), a bool tensor, the rule of a batched forward's padded
+# blocks, or for a batched forward with exact spans (BatchRows.spans) one tensor per sequence.
+Mask = Tensor | BlockCausal | list[Tensor | None] | None
 
 
 class RMSNorm(nn.Module):
@@ -100,7 +120,7 @@ class Attention(nn.Module):
         qkv = self.query_key_value(x)  # [B, T, (h + 2 kv) * D]
         if not isinstance(past, int):
             return self._batched(qkv, rotary, cos, sin, kv, past, mask)
-        assert not isinstance(mask, list)  # one sequence, one mask
+        assert not isinstance(mask, (list, BlockCausal))  # one sequence, one mask
         if kernels.fused(qkv):
             q, k, v = self._qkv_fused(qkv, rotary, cos, sin, kv, past)
         else:
@@ -121,9 +141,12 @@ class Attention(nn.Module):
         mask: Mask,
     ) -> Tensor:
         """Several sequences' rows qkv [1, T, ...] (oled.model.model.BatchRows): their keys and
-        values into their slots, then one attention over padded [B, t_max] query blocks."""
+        values into their slots, then one attention over padded [B, t_max] query blocks: the
+        fused kernel over each slot's own keys where the fused kernels run, else SDPA over the
+        slots' keys gathered and padded to rows.keys, masked."""
         t = qkv.shape[1]
-        qkv_ = self._qkv_fused if kernels.fused(qkv) else self._qkv
+        fused = kernels.fused(qkv)
+        qkv_ = self._qkv_fused if fused else self._qkv
         q, k, v = qkv_(qkv, rotary, cos, sin, None, 0)  # [1, h, T, D], [1, kv, T, D] x2
         assert kv is not None  # a batched forward writes into its slots
         kbuf, vbuf = kv  # [slots, kv, S_max, D]
@@ -132,17 +155,44 @@ class Attention(nn.Module):
             return self.dense(self._per_sequence(q, k, v, kbuf, vbuf, rows.spans, mask))
         kbuf[rows.row_slots, :, rows.positions] = k[0].transpose(0, 1)  # [T, kv, D]
         vbuf[rows.row_slots, :, rows.positions] = v[0].transpose(0, 1)
-        keys = kbuf[:, :, : rows.keys].index_select(0, rows.slots)  # [B, kv, S, D]
-        values = vbuf[:, :, : rows.keys].index_select(0, rows.slots)
         assert not isinstance(mask, list)  # one mask for the padded block
         nb, t_max = rows.queries.shape
         padded = q[0].transpose(0, 1).index_select(0, rows.queries.view(-1))  # [B*t_max, h, D]
         padded = padded.view(nb, t_max, self.heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            padded, keys, values, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
-        )  # [B, h, t_max, D]
+        if fused and isinstance(mask, BlockCausal):
+            out = self._ragged(padded, kbuf, vbuf, rows, mask.block_length)  # [B, h, t_max, D]
+        else:
+            keys = kbuf[:, :, : rows.keys].index_select(0, rows.slots)  # [B, kv, S, D]
+            values = vbuf[:, :, : rows.keys].index_select(0, rows.slots)
+            out = F.scaled_dot_product_attention(
+                padded,
+                keys,
+                values,
+                attn_mask=mask.tensor if isinstance(mask, BlockCausal) else mask,
+                scale=self.head_dim**-0.5,
+                enable_gqa=True,
+            )  # [B, h, t_max, D]
         out = out.transpose(1, 2).reshape(nb * t_max, self.heads * self.head_dim)
         return self.dense(out.index_select(0, rows.unpad).view(1, t, -1))  # [1, T, H]
+
+    def _ragged(
+        self, padded: Tensor, kbuf: Tensor, vbuf: Tensor, rows: BatchRows, block_length: int
+    ) -> Tensor:
+        """The padded query blocks [B, h, t_max, D] over each sequence's own keys in its slot
+        (the fused kernel: no gathered keys, no mask tensor) -> [B, h, t_max, D]."""
+        from oled.kernels.attention import ragged_attention
+
+        with kernels.serial():
+            return ragged_attention(
+                padded,
+                kbuf,
+                vbuf,
+                rows.slots,
+                rows.key_len,
+                rows.query_pos,
+                block_length,
+                self.head_dim**-0.5,
+            )
 
     def _per_sequence(
         self,

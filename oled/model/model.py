@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from oled.model.config import ModelConfig
-from oled.model.layers import MLP, Attention, RMSNorm, Rotary, Router
+from oled.model.layers import MLP, Attention, BlockCausal, RMSNorm, Rotary, Router
 from oled.model.stages import stage
 
 if TYPE_CHECKING:
@@ -125,8 +125,9 @@ class BatchRows:
     slot `slots[b]` holds before them. The linear layers and the experts see the rows as one
     [1, T, H] batch (one routing plan for all of them); attention gathers each sequence's rows
     into a padded [B, t_max] query block over its own slot's keys, with a mask built on the
-    device from these tensors, so a forward's kernels depend only on the shapes (T, B, t_max,
-    keys, logits rows) and replay as CUDA graphs whatever the positions (oled.model.graphs).
+    device from these tensors (the fused kernel reads the rule from them directly), so a
+    forward's kernels depend only on the shapes (T, B, t_max, keys, logits rows) and replay as
+    CUDA graphs whatever the positions (oled.model.graphs).
     """
 
     positions: Tensor  # [T] int64: each row's absolute position
@@ -412,7 +413,7 @@ class LLaDA2Model(nn.Module):
             raise ValueError(f"cache holds {cache.length} tokens but start is {start}")
         elif cache is None and start != 0:
             raise ValueError("without a cache the tokens must start at position 0")
-        mask: Tensor | list[Tensor | None] | None
+        mask: Mask
         with stage("embedding"):
             if rows is None:
                 positions = torch.arange(start, start + t, device=tokens.device)  # [T]
@@ -421,13 +422,13 @@ class LLaDA2Model(nn.Module):
             else:
                 positions, past = rows.positions, rows
                 mask = (
-                    rows.mask(block_length)
+                    BlockCausal(rows, block_length)
                     if rows.spans is None
                     else [
                         block_causal_mask(start, n, block_length, tokens.device)
                         for _, start, n in rows.spans
                     ]
-                )  # [B, 1, t_max, S], or per sequence [n, start + n] | None
+                )  # the padded blocks' rule, or per sequence [n, start + n] | None
             x = self.model.word_embeddings(tokens)  # [B, T, H]
             cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.decoder_layers()):
