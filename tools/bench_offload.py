@@ -177,6 +177,8 @@ def main() -> None:
     """Measure every row, print the tables and write the report."""
     ap = parser()
     args = ap.parse_args()
+    for name in config_names(args):
+        policies(name)  # an unknown name fails before the checkpoint loads
     dev = torch.device(args.device)
     ckpt = load(Path(args.model), dev)
     # every row at the main prompt length commits the first row's tokens: the same work
@@ -356,11 +358,14 @@ def record_resident(rt: Runtime, cfg: BenchConfig, out: Path) -> None:
     record_trace(rt, [random_prompt(rt, cfg.prompt_length, cfg.seed)], out)
 
 
+def config_names(args: argparse.Namespace) -> list[str]:
+    """The --configs names, in table order."""
+    return SHOWN if args.configs == "all" else args.configs.split(",")
+
+
 def combos(args: argparse.Namespace, kernel_modes: list[str]) -> list[Combo]:
     """Every offloaded row of one budget, in table order (every transfer)."""
-    names = SHOWN if args.configs == "all" else args.configs.split(",")
-    for n in names:
-        policies(n)  # an unknown name fails before any row is measured
+    names = config_names(args)
     graph_modes = GRAPH_MODES[args.graphs]
     ahead = [int(n) for n in args.prefetch.split(",")]
     planners, launches = args.planner.split(","), args.copies.split(",")

@@ -70,6 +70,11 @@ def serial() -> contextlib.AbstractContextManager:
     return _interpreter if interpreting() else contextlib.nullcontext()
 
 
+def on_device(t: Tensor) -> contextlib.AbstractContextManager:
+    """Launches on `t`'s CUDA device (Triton launches on the current one); free on the CPU."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def fused(t: Tensor) -> bool:
     """Whether the fused kernels compute a stage whose input is `t`: inference only (not when
     `t` needs gradients, nor under autocast, as in training)."""

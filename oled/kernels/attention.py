@@ -16,29 +16,19 @@ grid depends only on the shapes (B, heads, t_max).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from oled.kernels import interpreting
+from oled.kernels import interpreting, on_device
+from oled.kernels.common import dot
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e))
 BLOCK_N = 64  # keys per step of the online softmax
 MAX_ROWS = 64  # rows (heads x queries) of one program's tile
 NUM_WARPS = 4
 NUM_STAGES = 3  # software pipelining depth of the key loop
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b in fp32; in IEEE mode on fp32 operands in full fp32 (no TF32; the interpreter's
-    bf16 dots are wrong)."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -53,20 +43,19 @@ def _kv_tiles(k_base, v_base, j, end, d, dm, s_k_t, s_v_t):
 
 
 @triton.jit
-def _step(q, k_tile, v_tile, j, limit, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
-    """One key block of the online softmax (log2 domain): rows see the keys j < limit."""
-    s = _dot(q, k_tile, IEEE) * qk_scale  # [R, BN]
+def _step(q, k_tile, v_tile, j, limit, m_i, l_i, acc, zeros, qk_scale, IEEE: tl.constexpr):
+    """One key block of the online softmax (log2 domain): rows see the keys j < limit; `zeros`
+    [R, BN] fp32 starts the scores."""
+    s = dot(q, k_tile, zeros, IEEE) * qk_scale  # [R, BN]
     s = tl.where(j[None, :] < limit[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [R]
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no NaN
     p = tl.math.exp2(s - m_safe[:, None])  # [R, BN]
     alpha = tl.math.exp2(m_i - m_safe)  # [R]
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        pv = _dot(p, v_tile, IEEE)
-    else:
-        pv = _dot(p.to(v_tile.dtype), v_tile, IEEE)  # [R, D]
-    return m_new, l_i, acc * alpha[:, None] + pv
+    if not IEEE:
+        p = p.to(v_tile.dtype)  # the probabilities in the values' dtype, as flash attention
+    return m_new, l_i, dot(p, v_tile, acc * alpha[:, None], IEEE)  # [R, BD]
 
 
 @triton.jit(do_not_specialize=["t_max", "block_length"])
@@ -135,16 +124,21 @@ def _ragged_attention_kernel(
     m_i = tl.full([HEADS * BLOCK_M], float("-inf"), tl.float32)  # [R] running max
     l_i = tl.zeros([HEADS * BLOCK_M], tl.float32)  # [R] running sum
     acc = tl.zeros([HEADS * BLOCK_M, BLOCK_D], tl.float32)  # [R, BD]
+    zeros = tl.zeros([HEADS * BLOCK_M, BLOCK_N], tl.float32)  # [R, BN]
     if INTERPRET:  # a while loop: some interpreters take no tensor bounds in range()
         n0 = 0
         while n0 < end:
             k_tile, v_tile = _kv_tiles(k_base, v_base, n0 + n, end, d, dm, s_k_t, s_v_t)
-            m_i, l_i, acc = _step(q, k_tile, v_tile, n0 + n, limit, m_i, l_i, acc, qk_scale, IEEE)
+            m_i, l_i, acc = _step(
+                q, k_tile, v_tile, n0 + n, limit, m_i, l_i, acc, zeros, qk_scale, IEEE
+            )
             n0 += BLOCK_N
     else:  # range() over a bound read at run time: pipelined, faster than a while loop
         for n0 in range(0, end, BLOCK_N):
             k_tile, v_tile = _kv_tiles(k_base, v_base, n0 + n, end, d, dm, s_k_t, s_v_t)
-            m_i, l_i, acc = _step(q, k_tile, v_tile, n0 + n, limit, m_i, l_i, acc, qk_scale, IEEE)
+            m_i, l_i, acc = _step(
+                q, k_tile, v_tile, n0 + n, limit, m_i, l_i, acc, zeros, qk_scale, IEEE
+            )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [R, BD]: a row without keys -> zeros
     o_rows = out_ptr + b * s_o_b + head[:, None] * s_o_h + i[:, None] * s_o_t  # [R, 1]
@@ -202,7 +196,7 @@ def ragged_attention(
     per, block_m = _tile(group, t_max)
     interpret = interpreting()
     grid = (triton.cdiv(t_max, block_m), nb * kv_heads * triton.cdiv(group, per))
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with on_device(q):
         _ragged_attention_kernel[grid](
             q,
             kbuf,

@@ -13,3 +13,12 @@ def round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b with fp32 accumulation; in IEEE mode on fp32 operands in full fp32 (no TF32;
+    the interpreter's bf16 dots are wrong)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)

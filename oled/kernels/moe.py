@@ -31,15 +31,13 @@ its weight, whatever the slot placement, the table size or the other pairs of th
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from oled.kernels import interpreting
-from oled.kernels.common import round_bf16
+from oled.kernels import interpreting, on_device
+from oled.kernels.common import dot, round_bf16
 
 BLOCK_M = 32  # rows of one expert per tile: a whole 32-token decode block in one pass
 NUM_WARPS = 4
@@ -102,14 +100,6 @@ def _group(plan_ptr, P, g):
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    """acc + a @ b with fp32 accumulation; in IEEE mode on fp32 operands in full fp32 (no TF32)."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
 def _round(v, dtype: tl.constexpr, BF16_BITS: tl.constexpr):
     """fp32 v rounded to dtype (to nearest even), returned as fp32; with BF16_BITS on the bits
     (the interpreter's own fp32 -> bf16 cast truncates)."""
@@ -164,8 +154,8 @@ def _gate_up_kernel(
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):
                 a = tl.load(x_row + k0, mask=live[:, None], other=0.0)  # [BM, BK]
-                acc_g = _dot(a, tl.load(gate_ptr + k0), acc_g, IEEE)  # [BM, BN]
-                acc_u = _dot(a, tl.load(up_ptr + k0), acc_u, IEEE)  # [BM, BN]
+                acc_g = dot(a, tl.load(gate_ptr + k0), acc_g, IEEE)  # [BM, BN]
+                acc_u = dot(a, tl.load(up_ptr + k0), acc_u, IEEE)  # [BM, BN]
             gate = _round(acc_g, dtype, BF16_BITS)  # [BM, BN] rounded as the GEMM output is
             up = _round(acc_u, dtype, BF16_BITS)  # [BM, BN]
             silu = _round(gate / (1.0 + tl.exp(-gate)), dtype, BF16_BITS)  # [BM, BN]
@@ -223,7 +213,7 @@ def _down_kernel(
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for k0 in range(0, INTER, BLOCK_K):
                     a = tl.load(a_row + k0, mask=live[:, None], other=0.0)  # [BM, BK]
-                    acc = _dot(a, tl.load(down_ptr + k0), acc, IEEE)  # [BM, BN]
+                    acc = dot(a, tl.load(down_ptr + k0), acc, IEEE)  # [BM, BN]
                 wt = tl.load(weights_ptr + pair, mask=live, other=0.0)  # [BM] fp32
                 y = _round(acc, dtype, BF16_BITS) * wt[:, None]  # [BM, BN]
                 tl.store(out, y, mask=live[:, None])
@@ -292,7 +282,7 @@ def fused_expert_pairs(
     flags = dict(
         BLOCK_M=BLOCK_M, IEEE=ieee, BF16_BITS=bf16_bits, num_warps=NUM_WARPS, num_stages=NUM_STAGES
     )
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with on_device(x):
         flat = slots.reshape(-1)  # [P]
         if p <= RANK_MAX_PAIRS:
             bi, bj = RANK_BLOCK
