@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from oled.model.experts import combine, expert_pairs
 from oled.offload.budget import Budget, total_slots
 from oled.policies import allocation as A
 from oled.policies import compensation as C
@@ -251,3 +252,73 @@ def test_reference_computes_every_expert_on_the_device_and_runs_follow_it(tiny_d
     s = rt.stats()
     assert got.token_ids == reference[0] and s["cpu_experts"] > 0
     assert s["followed"] > 0 and s["agreed"] == s["followed"]  # one device: the same choices
+
+
+class _Shifting(A.AllocationPolicy):
+    """Moves slots from layer to layer at every block end (test allocation: every re-plan
+    resizes, so kept experts change slots and dropped ones free theirs)."""
+
+    def __init__(self) -> None:
+        self.replan, self.turn = True, 0
+
+    def allocate(self, *, total_slots, num_layers, num_experts, stats):
+        base = A.uniform_split(total_slots, num_layers, num_experts)
+        self.turn += 1
+        give, take = self.turn % num_layers, (self.turn + 1) % num_layers
+        shift = min(base[give] - 1, num_experts - base[take], 3)
+        base[give] -= shift
+        base[take] += shift
+        return base
+
+
+@pytest.mark.parametrize(
+    "device, ahead_from, compensation",
+    [
+        ("cpu", "previous", C.TransferOnly),
+        ("cpu", "router", C.TransferOnly),
+        ("cpu", "previous", C.Resident),
+        pytest.param("cuda", "previous", C.TransferOnly, marks=pytest.mark.gpu),
+        pytest.param("cuda", "router", C.Resident, marks=pytest.mark.gpu),
+    ],
+)
+def test_layer_calls_stay_exact_across_resizes_and_copies_ahead(
+    tiny_dir, device, ahead_from, compensation
+):
+    """Direct layer calls on skewed random routing, while re-allocations move and drop cached
+    experts at every block end, copies ahead evict victims, and `Resident` fills the caches
+    before the first call: every call equals the sum over all the layer's experts, exactly."""
+    rt = build_runtime(
+        model=str(tiny_dir),
+        device=device,
+        dtype="float32",
+        budget=Budget("expert_fraction", 0.4),
+        cost="cpu-ci",
+        retention=R.LRURetention(),
+        compensation=compensation(),
+        allocation=_Shifting(),
+        stage_capacity=2,
+        prefetch=4,
+        ahead_from=ahead_from,
+    )
+    engine = rt.executor
+    store, k, layers = engine.store, engine.planner.top_k, len(engine.w13)
+    h, e = store.w13[0].shape[2], engine.num_experts
+    gen = torch.Generator().manual_seed(0)
+    popular = torch.rand(layers, e, generator=gen) ** 3  # skewed routing: hits and misses
+    resizes = 0
+    for block in range(6):
+        for _ in range(3):  # forwards of a block: each layer called in turn
+            x = torch.randn(5, h, generator=gen).to(device)
+            for layer in range(layers):
+                ids = torch.multinomial(popular[layer].expand(5, e), k, generator=gen)  # [T, K]
+                weights = torch.rand(5, k, generator=gen)  # [T, K]
+                ids, weights = ids.to(device), weights.to(device)
+                got = engine(layer, x, ids, weights)
+                w13, w2 = store.w13[layer].to(device), store.w2[layer].to(device)
+                want = combine(expert_pairs(x, ids, weights, w13, w2), x.dtype)
+                assert torch.equal(got, want), (block, layer)
+        before = list(engine.planner.capacities)
+        engine.on_block_end(None)
+        resizes += before != engine.planner.capacities
+    assert resizes == 6
+    assert engine.planner.stats.predicted.sum() > 0  # copies ahead were made
