@@ -15,6 +15,8 @@ from oled import kernels
 from oled.model.config import ModelConfig
 
 if TYPE_CHECKING:
+    from torch.types import Device
+
     from oled.model.model import BatchRows
 
 KV = tuple[Tensor, Tensor]  # one layer's key and value buffers
@@ -36,9 +38,51 @@ class BlockCausal:
         return self.rows.mask(self.block_length)
 
 
-# An attention mask: None (attend to all), a bool tensor, the rule of a batched forward's padded
-# blocks, or for a batched forward with exact spans (BatchRows.spans) one tensor per sequence.
-Mask = Tensor | BlockCausal | list[Tensor | None] | None
+def block_causal_mask(start: int, t: int, block_length: int, device: Device) -> Tensor | None:
+    """Mask [T, start + T] for queries at start..start+T-1 over keys 0..start+T-1.
+
+    Query p sees key j iff block(j) <= block(p); None when the queries share one block (they
+    then see every key), which lets SDPA take its fastest path.
+    """
+    if start // block_length == (start + t - 1) // block_length:
+        return None
+    queries = torch.arange(start, start + t, device=device)  # [T]
+    keys = torch.arange(start + t, device=device)  # [S]
+    return (keys[None, :] // block_length) <= (queries[:, None] // block_length)
+
+
+@dataclass
+class SequenceBlocks:
+    """What the queries of `batch` sequences at the same positions start..start+length-1 see:
+    each its own keys 0..start+length-1, block-causal over blocks of `block_length` positions.
+    The fused kernel reads the rule from `rule` (device tensors made by kernels, so a graph can
+    capture them); the torch path attends with `tensor`. Both built once per forward, where
+    first needed."""
+
+    start: int
+    length: int
+    block_length: int
+    batch: int
+    device: Device
+
+    @functools.cached_property
+    def tensor(self) -> Tensor | None:
+        """block_causal_mask: [T, start + T] bool, or None (the queries share one block)."""
+        return block_causal_mask(self.start, self.length, self.block_length, self.device)
+
+    @functools.cached_property
+    def rule(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(slots [B], key_len [B], query_pos [B, T]) int64: sequence b is slot b of the keys."""
+        slots = torch.arange(self.batch, device=self.device)  # [B]
+        key_len = torch.full((self.batch,), self.start + self.length, device=self.device)
+        positions = torch.arange(self.start, self.start + self.length, device=self.device)
+        return slots, key_len, positions.expand(self.batch, self.length)  # [B], [B], [B, T]
+
+
+# An attention mask: None (attend to all), a bool tensor, one forward's block-causal rule, the
+# rule of a batched forward's padded blocks, or for a batched forward with exact spans
+# (BatchRows.spans) one per sequence.
+Mask = Tensor | SequenceBlocks | BlockCausal | list[Tensor | SequenceBlocks | None] | None
 
 
 class RMSNorm(nn.Module):
@@ -121,13 +165,10 @@ class Attention(nn.Module):
         if not isinstance(past, int):
             return self._batched(qkv, rotary, cos, sin, kv, past, mask)
         assert not isinstance(mask, (list, BlockCausal))  # one sequence, one mask
-        if kernels.fused(qkv):
-            q, k, v = self._qkv_fused(qkv, rotary, cos, sin, kv, past)
-        else:
-            q, k, v = self._qkv(qkv, rotary, cos, sin, kv, past)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
-        )  # [B, h, T, D]
+        fused = kernels.fused(qkv)
+        qkv_ = self._qkv_fused if fused else self._qkv
+        q, k, v = qkv_(qkv, rotary, cos, sin, kv, past)
+        out = self._attend(q, k, v, mask, fused)  # [B, h, T, D]
         return self.dense(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
     def _batched(
@@ -155,7 +196,7 @@ class Attention(nn.Module):
             return self.dense(self._per_sequence(q, k, v, kbuf, vbuf, rows.spans, mask))
         kbuf[rows.row_slots, :, rows.positions] = k[0].transpose(0, 1)  # [T, kv, D]
         vbuf[rows.row_slots, :, rows.positions] = v[0].transpose(0, 1)
-        assert not isinstance(mask, list)  # one mask for the padded block
+        assert not isinstance(mask, (list, SequenceBlocks))  # one rule for the padded block
         nb, t_max = rows.queries.shape
         padded = q[0].transpose(0, 1).index_select(0, rows.queries.view(-1))  # [B*t_max, h, D]
         padded = padded.view(nb, t_max, self.heads, self.head_dim).transpose(1, 2)
@@ -194,6 +235,25 @@ class Attention(nn.Module):
                 self.head_dim**-0.5,
             )
 
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | SequenceBlocks | None, fused: bool
+    ) -> Tensor:
+        """Sequences at the same positions: q [B, h, T, D] over their keys and values
+        [B, kv, S, D] -> [B, h, T, D]; the fused kernel of batched forwards where the rule is
+        known (a sequence decodes with the rounding it has in a batch), else SDPA."""
+        if fused and isinstance(mask, SequenceBlocks):
+            from oled.kernels.attention import ragged_attention
+
+            slots, key_len, query_pos = mask.rule
+            with kernels.serial():
+                return ragged_attention(
+                    q, k, v, slots, key_len, query_pos, mask.block_length, self.head_dim**-0.5
+                )
+        rule = mask.tensor if isinstance(mask, SequenceBlocks) else mask  # [T, S] | None
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=rule, scale=self.head_dim**-0.5, enable_gqa=True
+        )
+
     def _per_sequence(
         self,
         q: Tensor,
@@ -202,26 +262,18 @@ class Attention(nn.Module):
         kbuf: Tensor,
         vbuf: Tensor,
         spans: tuple[tuple[int, int, int], ...],
-        masks: list[Tensor | None],
+        masks: list[Tensor | SequenceBlocks | None],
     ) -> Tensor:
         """Each sequence's attention over exactly its own keys, as a one-sequence forward:
         q [1, h, T, D], k/v [1, kv, T, D] -> [1, T, h * D]."""
         outs: list[Tensor] = []
-        row = 0
+        row, fused = 0, kernels.fused(q)
         for (slot, start, n), mask in zip(spans, masks, strict=True):
             kb, vb = kbuf[slot : slot + 1], vbuf[slot : slot + 1]  # [1, kv, S_max, D]
             kb[:, :, start : start + n] = k[:, :, row : row + n]
             vb[:, :, start : start + n] = v[:, :, row : row + n]
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, row : row + n],
-                    kb[:, :, : start + n],
-                    vb[:, :, : start + n],
-                    attn_mask=mask,
-                    scale=self.head_dim**-0.5,
-                    enable_gqa=True,
-                )
-            )
+            q_, kb, vb = q[:, :, row : row + n], kb[:, :, : start + n], vb[:, :, : start + n]
+            outs.append(self._attend(q_, kb, vb, mask, fused))
             row += n
         out = torch.cat(outs, dim=2)  # [1, h, T, D]
         return out.transpose(1, 2).reshape(1, row, self.heads * self.head_dim)

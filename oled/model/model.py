@@ -11,7 +11,15 @@ import torch
 from torch import Tensor, nn
 
 from oled.model.config import ModelConfig
-from oled.model.layers import MLP, Attention, BlockCausal, RMSNorm, Rotary, Router
+from oled.model.layers import (
+    MLP,
+    Attention,
+    BlockCausal,
+    RMSNorm,
+    Rotary,
+    Router,
+    SequenceBlocks,
+)
 from oled.model.stages import stage
 
 if TYPE_CHECKING:
@@ -417,7 +425,7 @@ class LLaDA2Model(nn.Module):
         with stage("embedding"):
             if rows is None:
                 positions = torch.arange(start, start + t, device=tokens.device)  # [T]
-                mask = block_causal_mask(start, t, block_length, tokens.device)  # [T, S] | None
+                mask = SequenceBlocks(start, t, block_length, b, tokens.device)
                 past: int | BatchRows = start
             else:
                 positions, past = rows.positions, rows
@@ -425,10 +433,10 @@ class LLaDA2Model(nn.Module):
                     BlockCausal(rows, block_length)
                     if rows.spans is None
                     else [
-                        block_causal_mask(start, n, block_length, tokens.device)
+                        SequenceBlocks(start, n, block_length, 1, tokens.device)
                         for _, start, n in rows.spans
                     ]
-                )  # the padded blocks' rule, or per sequence [n, start + n] | None
+                )  # the padded blocks' rule, or each sequence's
             x = self.model.word_embeddings(tokens)  # [B, T, H]
             cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.decoder_layers()):
@@ -459,16 +467,3 @@ def drive(steps: ForwardSteps, routed: Callable[[MoERequest], Tensor]) -> Tensor
             request = steps.send(routed(request))
     except StopIteration as done:
         return done.value
-
-
-def block_causal_mask(start: int, t: int, block_length: int, device: Device) -> Tensor | None:
-    """Mask [T, start + T] for queries at start..start+T-1 over keys 0..start+T-1.
-
-    Query p sees key j iff block(j) <= block(p); None when the queries share one block (they
-    then see every key), which lets SDPA take its fastest path.
-    """
-    if start // block_length == (start + t - 1) // block_length:
-        return None
-    queries = torch.arange(start, start + t, device=device)  # [T]
-    keys = torch.arange(start + t, device=device)  # [S]
-    return (keys[None, :] // block_length) <= (queries[:, None] // block_length)

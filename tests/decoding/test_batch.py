@@ -9,7 +9,8 @@ import torch
 from oled.decoding import DecodeConfig
 from oled.decoding.batch import BatchDecoder
 from oled.decoding.decoder import _commit, select_commits
-from oled.model.model import BatchRows, block_causal_mask
+from oled.model.layers import block_causal_mask
+from oled.model.model import BatchRows
 from oled.offload.budget import Budget
 from oled.policies import anchor_policies
 from oled.runtime import build_runtime, load_runtime

@@ -153,7 +153,29 @@ def batched_logits(rt, mode: str) -> list[torch.Tensor]:
     return out
 
 
-def test_batched_forward_matches_the_torch_kernels(tiny_dir, monkeypatch):
+def single_logits(rt, mode: str) -> list[torch.Tensor]:
+    """Logits of one sequence's forwards with the given kernels: a prompt spanning blocks into
+    the cache, a decode block over it (its queries in one block), and a forward without a
+    cache."""
+    kernels.use(mode)
+    cfg, bl = rt.config, 8
+    cache = KVCache(cfg, max_len=64, batch=1, dtype=torch.float32, device=rt.device)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 28), generator=g).to(rt.device)
+    with torch.inference_mode():
+        out = [rt.model(tokens[:, :20], cache=cache, block_length=bl)]
+        cache.length = 20
+        out.append(rt.model(tokens[:, 20:], cache=cache, start=20, block_length=bl))
+        out.append(rt.model(tokens, block_length=bl))
+    return out
+
+
+@pytest.mark.parametrize("logits, forwards", [(batched_logits, 2), (single_logits, 3)])
+def test_forwards_attend_with_the_kernel_and_match_the_torch_kernels(
+    tiny_dir, monkeypatch, logits, forwards
+):
+    """Batched forwards and one sequence's forwards attend through the fused kernel (so a
+    sequence rounds alone as it does in a batch), and match the torch kernels."""
     from oled.runtime import load_runtime
 
     calls = []
@@ -166,12 +188,12 @@ def test_batched_forward_matches_the_torch_kernels(tiny_dir, monkeypatch):
     monkeypatch.setattr(attention_module, "ragged_attention", counted)
     rt = load_runtime(str(tiny_dir), device=DEVICE.type, dtype="float32", kernels="triton")
     try:
-        fused = batched_logits(rt, "triton")
-        assert len(calls) == 2 * rt.config.num_hidden_layers
-        plain = batched_logits(rt, "torch")
+        fused = logits(rt, "triton")
+        assert len(calls) == forwards * rt.config.num_hidden_layers
+        plain = logits(rt, "torch")
     finally:
         kernels.use("auto")
-    assert len(calls) == 2 * rt.config.num_hidden_layers  # the torch kernels never call it
+    assert len(calls) == forwards * rt.config.num_hidden_layers  # the torch kernels never do
     for a, b in zip(fused, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oled.model.layers import Attention, Rotary
-from oled.model.model import BatchRows, block_causal_mask
+from oled.model.layers import Attention, Rotary, block_causal_mask
+from oled.model.model import BatchRows
 from oled.model.presets import tiny_config
 
 
