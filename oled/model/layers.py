@@ -37,6 +37,11 @@ class BlockCausal:
         """rows.mask(block_length): [B, 1, t_max, keys] bool."""
         return self.rows.mask(self.block_length)
 
+    @property
+    def rule(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(slots [B], key_len [B], query_pos [B, t_max]) int64: the rows' own tensors."""
+        return self.rows.slots, self.rows.key_len, self.rows.query_pos
+
 
 def block_causal_mask(start: int, t: int, block_length: int, device: Device) -> Tensor | None:
     """Mask [T, start + T] for queries at start..start+T-1 over keys 0..start+T-1.
@@ -201,7 +206,7 @@ class Attention(nn.Module):
         padded = q[0].transpose(0, 1).index_select(0, rows.queries.view(-1))  # [B*t_max, h, D]
         padded = padded.view(nb, t_max, self.heads, self.head_dim).transpose(1, 2)
         if fused and isinstance(mask, BlockCausal):
-            out = self._ragged(padded, kbuf, vbuf, rows, mask.block_length)  # [B, h, t_max, D]
+            out = self._ragged(padded, kbuf, vbuf, mask)  # [B, h, t_max, D]
         else:
             keys = kbuf[:, :, : rows.keys].index_select(0, rows.slots)  # [B, kv, S, D]
             values = vbuf[:, :, : rows.keys].index_select(0, rows.slots)
@@ -217,22 +222,17 @@ class Attention(nn.Module):
         return self.dense(out.index_select(0, rows.unpad).view(1, t, -1))  # [1, T, H]
 
     def _ragged(
-        self, padded: Tensor, kbuf: Tensor, vbuf: Tensor, rows: BatchRows, block_length: int
+        self, q: Tensor, kbuf: Tensor, vbuf: Tensor, mask: BlockCausal | SequenceBlocks
     ) -> Tensor:
-        """The padded query blocks [B, h, t_max, D] over each sequence's own keys in its slot
-        (the fused kernel: no gathered keys, no mask tensor) -> [B, h, t_max, D]."""
+        """Query blocks q [B, h, t_max, D] over each sequence's own keys in its slot of kbuf /
+        vbuf, by the mask's rule (the fused kernel: no gathered keys, no mask tensor)
+        -> [B, h, t_max, D]."""
         from oled.kernels.attention import ragged_attention
 
+        slots, key_len, query_pos = mask.rule
         with kernels.serial():
             return ragged_attention(
-                padded,
-                kbuf,
-                vbuf,
-                rows.slots,
-                rows.key_len,
-                rows.query_pos,
-                block_length,
-                self.head_dim**-0.5,
+                q, kbuf, vbuf, slots, key_len, query_pos, mask.block_length, self.head_dim**-0.5
             )
 
     def _attend(
@@ -242,13 +242,7 @@ class Attention(nn.Module):
         [B, kv, S, D] -> [B, h, T, D]; the fused kernel of batched forwards where the rule is
         known (a sequence decodes with the rounding it has in a batch), else SDPA."""
         if fused and isinstance(mask, SequenceBlocks):
-            from oled.kernels.attention import ragged_attention
-
-            slots, key_len, query_pos = mask.rule
-            with kernels.serial():
-                return ragged_attention(
-                    q, k, v, slots, key_len, query_pos, mask.block_length, self.head_dim**-0.5
-                )
+            return self._ragged(q, k, v, mask)
         rule = mask.tensor if isinstance(mask, SequenceBlocks) else mask  # [T, S] | None
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=rule, scale=self.head_dim**-0.5, enable_gqa=True
