@@ -111,9 +111,9 @@ def _profile_into(
 ) -> None:
     """With `cfg.profile`: the device stage times (CUDA only) and the host times, into `row`."""
     if cfg.profile and rt.device.type == "cuda":
-        row["stages_ms_per_iteration"] = stage_breakdown(
-            rt, prompt, decode, follow=follow, replay=replay
-        )
+        stages, unstaged = stage_breakdown(rt, prompt, decode, follow=follow, replay=replay)
+        row["stages_ms_per_iteration"] = stages
+        row["unstaged_kernels_ms_per_iteration"] = unstaged
     if cfg.profile:
         row["host_ms_per_iteration"] = host_breakdown(
             rt, prompt, decode, follow=follow, replay=replay

@@ -33,12 +33,13 @@ def stage_breakdown(
     follow: Trajectory | None = None,
     replay: Replay | None = None,
     batch: Batch | None = None,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, float]]:
     """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
     iterations (after the prompt's) of one extra eager generation under the profiler: every
     kernel and copy counts for the innermost stage that launched it. The graphs replay the same
     kernels, so these are their times too. CPU experts count the host's milliseconds (engine
-    metrics), not device time."""
+    metrics), not device time. Second: the kernels and copies outside every stage ('other'),
+    milliseconds per iteration by name, the `UNSTAGED` that take the most."""
     from oled.model.graphs import EagerForward
 
     graphed, rt.forward = rt.forward, EagerForward(rt.model)
@@ -48,12 +49,13 @@ def stage_breakdown(
         )
     finally:
         rt.forward = graphed
-    totals = _stage_device_us(window.profiler.events())
+    totals, unstaged = _stage_device_us(window.profiler.events())
     out = {name: us / 1000 / window.seen for name, us in totals.items()}
     figures = off["decode"] if off is not None else {}
     if figures.get("cpu_ms"):
         out["CPU experts"] = figures["cpu_ms"] / max(1, figures["iterations"])
-    return out
+    largest = sorted(unstaged.items(), key=lambda kv: kv[1], reverse=True)[:UNSTAGED]
+    return out, {name: us / 1000 / window.seen for name, us in largest}
 
 
 def host_breakdown(
@@ -152,8 +154,14 @@ class _ProfileWindow(DecodeObserver):
             self.running = False
 
 
-def _stage_device_us(events: Sequence[FunctionEvent]) -> dict[str, float]:
-    """Microseconds of kernels and copies per innermost enclosing stage ('other' outside).
+UNSTAGED = 8  # kernels outside every stage reported by name
+
+
+def _stage_device_us(
+    events: Sequence[FunctionEvent],
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Microseconds of kernels and copies per innermost enclosing stage ('other' outside), and
+    of those outside by name.
 
     Each device event is found through its host API call (cudaLaunchKernel, cuLaunchKernelEx,
     cudaMemcpyAsync, ...: the same correlation id), whose place in the host call tree names the
@@ -161,6 +169,7 @@ def _stage_device_us(events: Sequence[FunctionEvent]) -> dict[str, float]:
     call the profiler did not record counts for the torch op it is linked to, if any.
     """
     totals: dict[str, float] = {}
+    unstaged: dict[str, float] = {}
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     calls = {e.id: e for e in events if e.device_type == cpu and _is_api_call(e.name)}
     ops = {e.id: e for e in events if e.device_type == cpu and not _is_api_call(e.name)}
@@ -170,9 +179,11 @@ def _stage_device_us(events: Sequence[FunctionEvent]) -> dict[str, float]:
         call = calls.get(event.id)
         if call is None:
             call = ops.get(getattr(event, "linked_correlation_id", 0) or -1)
-        stage = _stage_of(call)
-        totals[stage] = totals.get(stage, 0.0) + event.time_range.elapsed_us()
-    return totals
+        stage, us = _stage_of(call), event.time_range.elapsed_us()
+        totals[stage] = totals.get(stage, 0.0) + us
+        if stage == "other":
+            unstaged[event.name] = unstaged.get(event.name, 0.0) + us
+    return totals, unstaged
 
 
 def _device_work(event: FunctionEvent) -> bool:

@@ -183,7 +183,9 @@ def _profile(
     batch = prompts if len(prompts) > 1 else None
     out = {}
     if rt.device.type == "cuda":
-        out["stages_ms_per_iteration"] = stage_breakdown(rt, prompts[0], decode, batch=batch)
+        stages, unstaged = stage_breakdown(rt, prompts[0], decode, batch=batch)
+        out["stages_ms_per_iteration"] = stages
+        out["unstaged_kernels_ms_per_iteration"] = unstaged
     out["host_ms_per_iteration"] = host_breakdown(rt, prompts[0], decode, batch=batch)
     return out
 

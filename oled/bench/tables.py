@@ -10,6 +10,7 @@ from oled.bench.report import machine
 from oled.model.stages import STAGES
 
 if TYPE_CHECKING:
+    from rich.console import Group
     from rich.table import Table
 
 OFFLOAD_COLUMNS = [
@@ -150,8 +151,10 @@ def _offload_cells(o: dict[str, Any], prompt_ms: float | None) -> list[str]:
     ]
 
 
-def stage_table(rows: list[dict[str, Any]]) -> Table:
-    """Device milliseconds per iteration of each forward stage, a column per stage."""
+def stage_table(rows: list[dict[str, Any]]) -> Group:
+    """Device milliseconds per iteration of each forward stage, a column per stage; then the
+    kernels outside every stage ('other') that take the most, by name."""
+    from rich.console import Group
     from rich.table import Table
 
     seen = {k for r in rows for k in r.get("stages_ms_per_iteration", {})}
@@ -166,7 +169,16 @@ def stage_table(rows: list[dict[str, Any]]) -> Table:
         out.add_row(
             r["label"], *(fmt(stages.get(n), "{:.3f}") for n in names), fmt(total, "{:.3f}")
         )
-    return out
+    unstaged = Table(show_edge=False, header_style="bold", title="device ms per iteration: 'other'")
+    for col in ("config", "kernel", "ms"):
+        unstaged.add_column(col, justify="right" if col == "ms" else "left")
+    for r in rows:
+        for name, ms in r.get("unstaged_kernels_ms_per_iteration", {}).items():
+            unstaged.add_row(r["label"], name[:KERNEL_NAME], f"{ms:.3f}")
+    return Group(out, unstaged) if unstaged.row_count else Group(out)
+
+
+KERNEL_NAME = 90  # characters of a kernel's name in the tables
 
 
 def host_table(rows: list[dict[str, Any]], columns: int = 12) -> Table:

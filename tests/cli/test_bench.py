@@ -326,18 +326,20 @@ def test_stage_times_go_to_the_innermost_stage():
         device(2, 7.0, linked=501),
         device(3, 3.0),
         device(9, 30.0, linked=502),
-        device(4, 4.0, linked=503),
-        device(8, 0.5),
+        device(4, 4.0, linked=503, name="k4"),
+        device(8, 0.5, name="k8"),
         device(10, 99.0, kind="gpu_user_annotation", name="routing"),
         device(11, 50.0, kind="cuda_sync", name="Stream Sync"),
     ]
-    assert _stage_device_us(flat + kernels) == {
+    stages, unstaged = _stage_device_us(flat + kernels)
+    assert stages == {
         "attention": 5.0,
         "copies": 7.0,
         "routing": 3.0,
         "grouped GEMM": 30.0,
         "other": 4.5,
     }
+    assert unstaged == {"k4": 4.0, "k8": 0.5}  # 'other' by kernel name
 
 
 def test_bench_eager_flag(tiny_dir):
