@@ -26,6 +26,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from oled.decoding.batch import padded_keys  # noqa: E402
 from oled.kernels.attention import ragged_attention  # noqa: E402
 from oled.model.config import mini_config  # noqa: E402
 from oled.model.model import BatchRows  # noqa: E402
@@ -60,11 +61,6 @@ def stream_keys(streams: int, keys: int, t_max: int, spread: bool) -> list[int]:
     if not spread:
         return [keys] * streams
     return [max(t_max, keys * (b + 1) // streams) for b in range(streams)]
-
-
-def padded_keys(needed: int) -> int:
-    """The keys the torch path attends per stream: a power of two, at least 64."""
-    return max(64, 1 << (needed - 1).bit_length())
 
 
 def compare(args: argparse.Namespace, streams: int) -> tuple[float, float, float]:

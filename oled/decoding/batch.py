@@ -48,6 +48,12 @@ from oled.model.model import BatchRows, KVCache, LLaDA2Model
 from oled.model.stages import stage
 
 
+def padded_keys(needed: int) -> int:
+    """The keys a batched forward attends per stream for `needed` of them: rounded up to a
+    power of two, at least 64, so that forwards share graphs."""
+    return max(64, 1 << (needed - 1).bit_length())
+
+
 @dataclass(eq=False)
 class Stream:
     """One sequence of a batch: its settings and where its decoding stands (its tokens live in
@@ -499,11 +505,9 @@ class BatchDecoder:
             self.cache.v[..., : old.max_len, :] = old.v
 
     def _keys(self, needed: int) -> int:
-        """The keys a forward attends per stream: `needed` rounded up to a power of two (at
-        least 64, at most the cache's length), so that forwards share graphs."""
-        keys = max(64, 1 << (needed - 1).bit_length())
+        """The keys a forward attends per stream: `padded_keys`, at most the cache's length."""
         assert self.cache is not None  # reserved on admission
-        return min(keys, self.cache.max_len)
+        return min(padded_keys(needed), self.cache.max_len)
 
     def _finish_block(self, s: Stream, block: Tensor) -> StreamEvent:
         """Stream `s`'s block has no open position left (`block` [L], its tokens on the host):
