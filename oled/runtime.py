@@ -43,7 +43,7 @@ from oled.policies.share import SharePlanner
 from oled.recipe import DEFAULT_MODEL, Recipe, RuntimeSection
 from oled.recipe.schema import RUNTIME
 from oled.threads import MONITOR, ThreadChoice, choose, env_threads, visible_cpus
-from oled.trace.replay import RoutingReplay, special_ids, traced_prediction
+from oled.trace.replay import BatchReplay, RoutingReplay, special_ids, traced_prediction
 
 if TYPE_CHECKING:
     from oled.model.model import LLaDA2Model
@@ -244,18 +244,19 @@ class Runtime:
         *,
         block_length: int | None = None,
         prefill_chunk: int | None = None,
+        first: Sequence[DecodeObserver] = (),
     ) -> BatchDecoder:
         """A decoder of up to `max_batch` generations at once (oled.decoding.batch) on this
-        runtime's forwards (graphed on CUDA), experts and observers; its streams use block
-        length `block_length` (the decode config's by default) and a joining prompt enters in
-        chunks of `prefill_chunk` tokens a forward (runtime.prefill_chunk by default; 0: in
-        one forward)."""
+        runtime's forwards (graphed on CUDA), experts and observers (after `first`); its
+        streams use block length `block_length` (the decode config's by default) and a joining
+        prompt enters in chunks of `prefill_chunk` tokens a forward (runtime.prefill_chunk by
+        default; 0: in one forward)."""
         fused_kernels.use(self.kernels)
         return BatchDecoder(
             self.model,
             mask_id=self.tokenizer.mask_id,
             stop_ids=self.tokenizer.stop_ids,
-            observers=self.observers,
+            observers=[*first, *self.observers],
             forward=self.forward,
             max_batch=max_batch,
             block_length=block_length or self.decode.block_length,
@@ -290,15 +291,8 @@ class Runtime:
         routers still run), the traced commits and confidences, the traced blocks and forwards;
         yields each finished block like `stream`."""
         source = self.routing_replay(trace)
-        ids, decode, follow = source.prepare(
-            prompt_index, model=self.model, base=self.decode, exclude=special_ids(self.tokenizer)
-        )
-        self.model.set_routing_override(source.override)
-        engine = self.engine
-        own = engine.predict if engine is not None else None
-        if engine is not None and isinstance(own, NextLayerRouting):
-            engine.predict = traced_prediction(source, own)
-        try:
+        ids, decode, follow = self.replay_request(source, prompt_index)
+        with self._replaying(source):
             yield from self.stream(
                 ids,
                 decode=decode,
@@ -306,6 +300,44 @@ class Runtime:
                 cancelled=cancelled,
                 follow=follow,
             )
+
+    def replay_request(
+        self, source: RoutingReplay, prompt_index: int
+    ) -> tuple[list[int], DecodeConfig, Trajectory]:
+        """Traced prompt `prompt_index` of `source`, ready to decode: (prompt ids, decode
+        config, the traced schedule to follow)."""
+        exclude = special_ids(self.tokenizer)
+        return source.prepare(prompt_index, model=self.model, base=self.decode, exclude=exclude)
+
+    @contextlib.contextmanager
+    def replay_batch(
+        self, trace: RoutingTrace, max_batch: int
+    ) -> Iterator[tuple[BatchDecoder, BatchReplay]]:
+        """A batch decoder (`batch_decoder`) that replays up to `max_batch` of the trace's
+        prompts at once, and its source: add prompt i as `dec.add(ids, decode, follow=follow)`
+        with `ids, decode, follow = replay_request(source, i)`. Every batched forward runs its
+        streams' traced routing side by side (the routers still run), and each stream commits
+        its traced commits with their confidences (oled.trace.replay.BatchReplay); prompts
+        enter in one forward, as traced. The model routes by its routers again on exit."""
+        source = BatchReplay(trace, max_batch=max_batch, block_length=self.decode.block_length)
+        source.check(self.config)
+        source.bind(self.model)
+        bl = source.prompts[0].block_length
+        dec = self.batch_decoder(max_batch, block_length=bl, prefill_chunk=0, first=[source])
+        with self._replaying(source):
+            yield dec, source
+
+    @contextlib.contextmanager
+    def _replaying(self, source: RoutingReplay) -> Iterator[None]:
+        """The model routes by `source`'s override, and the offload engine predicts the next
+        layer's routing from the trace (when it predicts with routers); undone on exit."""
+        self.model.set_routing_override(source.override)
+        engine = self.engine
+        own = engine.predict if engine is not None else None
+        if engine is not None and isinstance(own, NextLayerRouting):
+            engine.predict = traced_prediction(source, own)
+        try:
+            yield
         finally:
             self.model.set_routing_override(None)
             if engine is not None:

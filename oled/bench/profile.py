@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.profiler_util import FunctionEvent
 
-from oled.bench.runs import run_batch, run_once, run_replay
+from oled.bench.runs import Job, batch_session, run_batch, run_once, run_replay
 from oled.decoding import DecodeConfig, DecodeObserver, IterationInfo, Trajectory
 from oled.decoding.observers import BatchIterationInfo
 from oled.model.stages import STAGES, annotate
@@ -22,7 +22,7 @@ from oled.runtime import Runtime
 from oled.trace.replay import RoutingTrace
 
 Replay = tuple[RoutingTrace, int]  # a trace and the index of the prompt to replay
-Batch = Sequence[list[int]]  # prompts decoded together
+Batch = Sequence[Job]  # requests decoded together (traced ones replay `batch_trace`'s prompts)
 
 
 def stage_breakdown(
@@ -33,6 +33,7 @@ def stage_breakdown(
     follow: Trajectory | None = None,
     replay: Replay | None = None,
     batch: Batch | None = None,
+    batch_trace: RoutingTrace | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
     iterations (after the prompt's) of one extra eager generation under the profiler: every
@@ -45,7 +46,15 @@ def stage_breakdown(
     graphed, rt.forward = rt.forward, EagerForward(rt.model)
     try:
         window, off = _profiled(
-            rt, prompt, decode, iterations, follow, device=True, replay=replay, batch=batch
+            rt,
+            prompt,
+            decode,
+            iterations,
+            follow,
+            device=True,
+            replay=replay,
+            batch=batch,
+            batch_trace=batch_trace,
         )
     finally:
         rt.forward = graphed
@@ -66,6 +75,7 @@ def host_breakdown(
     follow: Trajectory | None = None,
     replay: Replay | None = None,
     batch: Batch | None = None,
+    batch_trace: RoutingTrace | None = None,
 ) -> dict[str, float]:
     """Host milliseconds per iteration of each stage range (inclusive: `copies` lies inside
     `host decision`) and of each CUDA API call (cudaGraphLaunch, cudaMemcpyAsync, ...), and
@@ -73,7 +83,15 @@ def host_breakdown(
     as the runtime runs it (graphs kept) under a CPU-only profiler: where the host path spends
     its time."""
     window, _ = _profiled(
-        rt, prompt, decode, iterations, follow, device=False, replay=replay, batch=batch
+        rt,
+        prompt,
+        decode,
+        iterations,
+        follow,
+        device=False,
+        replay=replay,
+        batch=batch,
+        batch_trace=batch_trace,
     )
     totals: dict[str, float] = {}
     for e in window.profiler.events():
@@ -93,16 +111,20 @@ def _profiled(
     device: bool,
     replay: Replay | None = None,
     batch: Batch | None = None,
+    batch_trace: RoutingTrace | None = None,
 ) -> tuple[_ProfileWindow, dict | None]:
     """One generation (following `follow` if given; the replay of (trace, prompt index) if
-    `replay`; the prompts of `batch` decoded together if given) with iterations 1 ..
-    `iterations` under the profiler: (the window, the engine's figures)."""
+    `replay`; the requests of `batch` decoded together if given, the traced ones replaying
+    `batch_trace`'s prompts) with iterations 1 .. `iterations` under the profiler: (the
+    window, the engine's figures)."""
     window = _ProfileWindow(first=1, count=iterations, device=device)
     try:
         if batch is not None:
-            dec = rt.batch_decoder(len(batch), prefill_chunk=0)  # every prompt in forward 0
-            run_batch(rt, dec, batch, decode or rt.decode)  # its graphs are captured here
-            _, off, _ = run_batch(rt, dec, batch, decode or rt.decode, [window])
+            cfg = decode or rt.decode
+            session = batch_session(rt, len(batch), cfg, batch_trace, prefill_chunk=0)
+            with session as (dec, source):  # every prompt in the batch's first forward
+                run_batch(rt, dec, batch, cfg, source=source)  # its graphs are captured here
+                _, off, _ = run_batch(rt, dec, batch, cfg, [window], source)
         elif replay is not None:
             _, off, _ = run_replay(rt, *replay, [window])
         else:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from oled.decoding import DecodeConfig, DecodeObserver, GenerationStats
-from oled.decoding.batch import BatchDecoder
+from oled.decoding.batch import BatchDecoder, Stream
 from oled.decoding.follow import Trajectory
 from oled.runtime import Runtime
-from oled.trace.replay import RoutingTrace
+from oled.trace.replay import BatchReplay, RoutingTrace
 
 Generation = tuple[GenerationStats, dict | None, list[int]]  # stats, offload figures, tokens
 
@@ -92,19 +93,67 @@ def run_replay(
     return rt.last_stats, rt.offload_summary(), tokens
 
 
+@dataclass(frozen=True)
+class Job:
+    """A request of a batch: its prompt ids, and the trace prompt it replays (None: it
+    decodes freely)."""
+
+    prompt: list[int]
+    traced: int | None = None
+
+
+@contextlib.contextmanager
+def batch_session(
+    rt: Runtime,
+    n: int,
+    decode: DecodeConfig,
+    trace: RoutingTrace | None = None,
+    prefill_chunk: int | None = None,
+) -> Iterator[tuple[BatchDecoder, BatchReplay | None]]:
+    """A batch decoder of `n` streams (Runtime.batch_decoder, prompts in chunks of
+    `prefill_chunk`: the runtime's by default), replaying `trace` when given
+    (Runtime.replay_batch: every prompt in one forward), and its replay source (None without
+    a trace)."""
+    if trace is None:
+        bl = decode.block_length
+        yield rt.batch_decoder(n, block_length=bl, prefill_chunk=prefill_chunk), None
+        return
+    with rt.replay_batch(trace, n) as (dec, source):
+        yield dec, source
+
+
+def add_job(
+    rt: Runtime,
+    dec: BatchDecoder,
+    job: Job,
+    decode: DecodeConfig,
+    source: BatchReplay | None = None,
+    tag: object = None,
+) -> Stream:
+    """Queue `job` in `dec`: freely with `decode`, or its traced prompt's replay through
+    `source` (a `batch_session` with the trace)."""
+    if job.traced is None:
+        return dec.add(job.prompt, decode, tag=tag)
+    if source is None:
+        raise ValueError(f"trace prompt {job.traced} replays only in a batch with its trace")
+    ids, traced, follow = rt.replay_request(source, job.traced)
+    return dec.add(ids, traced, tag=tag, follow=follow)
+
+
 def run_batch(
     rt: Runtime,
     dec: BatchDecoder,
-    prompts: Sequence[list[int]],
+    jobs: Sequence[Job],
     decode: DecodeConfig,
     observers: Sequence[DecodeObserver] = (),
+    source: BatchReplay | None = None,
 ) -> Generation:
-    """The prompts decoded together by `dec` (a batch decoder of `rt`, oled.decoding.batch),
-    with `observers` watching: the first stream's statistics and tokens, the offload engine's
+    """The jobs decoded together by `dec` (a `batch_session`'s, with its `source`), with
+    `observers` watching: the first stream's statistics and tokens, the offload engine's
     figures."""
     dec.observers += observers
     try:
-        streams = [dec.add(p, decode) for p in prompts]
+        streams = [add_job(rt, dec, job, decode, source) for job in jobs]
         while dec.busy:
             dec.step()
     finally:

@@ -1,7 +1,7 @@
 """`oled bench --streams`: many users at once, decoded together (oled.decoding.batch).
 
-A row of N streams decodes the same pool of requests (seeded random prompts, or a prompt
-file's), N at a time: the requests of a group arrive one forward apart, so each one after the
+A row of N streams decodes the same pool of requests (seeded random prompts, a prompt
+file's, or a routing trace's prompts replayed: oled.trace.replay), N at a time: the requests of a group arrive one forward apart, so each one after the
 first joins a batch that is already decoding, and the group's batch runs until all of them
 end. The one-stream row is the single-request path (`Runtime.stream`), one request after
 another; its tokens are every request's reference, and each batched request's tokens are
@@ -31,13 +31,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from oled.bench.profile import host_breakdown, stage_breakdown
-from oled.bench.runs import BenchConfig, bench_decode, random_prompt
+from oled.bench.runs import (
+    BenchConfig,
+    Job,
+    TraceWorkload,
+    add_job,
+    batch_session,
+    bench_decode,
+    random_prompt,
+)
 from oled.bench.tables import fmt, with_spread
 from oled.decoding import DecodeConfig
 from oled.decoding.batch import BatchDecoder, ForwardFigures
 from oled.decoding.decoder import median_p90
 from oled.progress import track
 from oled.runtime import Runtime
+from oled.trace.replay import BatchReplay
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -49,7 +58,7 @@ Messages = list[dict[str, str]]  # a chat prompt
 class Request:
     """One request's timings and tokens."""
 
-    prompt: list[int]
+    job: Job
     arrived: float = 0.0
     first: float | None = None  # the first block with answer tokens
     done: float = 0.0
@@ -87,49 +96,77 @@ def bench_streams(
     counts: list[int],
     requests: int | None = None,
     prompts: list[Messages] | None = None,
+    work: TraceWorkload | None = None,
 ) -> list[dict[str, Any]]:
     """A row per stream count over one pool of `requests` (default: the largest count) of
-    seeded random prompts, or of `prompts` (chat messages, in turn)."""
-    pool = _pool(rt, cfg, requests or max(counts), prompts)
+    seeded random prompts, of `prompts` (chat messages, in turn) or, with `work`, of its
+    trace's selected prompts replayed (in turn; by default every one at least once, in whole
+    groups of the largest count)."""
+    if work is not None:
+        requests = requests or replay_requests(counts, len(work.prompts))
+    pool = _pool(rt, cfg, requests or max(counts), prompts, work)
     decode = bench_decode(rt, cfg)
     for _ in range(cfg.warmup_runs):
-        _single(rt, pool[:1], decode)
-    singles = [_single(rt, pool, decode) for _ in range(cfg.runs)]
+        _single(rt, pool[:1] if work is None else pool, decode, work)
+    singles = [_single(rt, pool, decode, work) for _ in range(cfg.runs)]
     reference = [r.tokens for r in singles[0].requests]
     rows = []
     for n in counts:
         if n == 1:
             passes, extra = singles, {}
         else:
-            dec = rt.batch_decoder(n, block_length=decode.block_length)  # one for all passes
-            for _ in range(cfg.warmup_runs):  # its graphs are captured here (every shape)
-                _batched(rt, dec, pool, decode)
-            before = _captures(rt)
-            passes = [_batched(rt, dec, pool, decode) for _ in range(cfg.runs)]
+            trace = work.trace if work is not None else None
+            with batch_session(rt, n, decode, trace) as (dec, source):  # one for all passes
+                for _ in range(cfg.warmup_runs):  # its graphs are captured here (every shape)
+                    _batched(rt, dec, pool, decode, source)
+                before = _captures(rt)
+                passes = [_batched(rt, dec, pool, decode, source) for _ in range(cfg.runs)]
             extra = {"graph_captures": _captures(rt) - before}
         row = _row(label, n, passes, reference) | extra
-        rows.append(row | _profile(rt, cfg, pool[:n], decode))
+        if work is not None:
+            row["routing"] = {"trace": work.name, "prompts": [j.traced for j in pool]}
+        rows.append(row | _profile(rt, cfg, pool[:n], decode, work))
     return rows
 
 
+def replay_requests(counts: list[int], prompts: int) -> int:
+    """The pool of a replayed trace: every selected prompt at least once, in whole groups of
+    the largest stream count."""
+    n = max(counts)
+    return n * -(-prompts // n)
+
+
 def _pool(
-    rt: Runtime, cfg: BenchConfig, requests: int, prompts: list[Messages] | None
-) -> list[list[int]]:
-    """The requests' prompt ids: seeded random ones of the configured length, or the chat
-    prompts given, in turn."""
+    rt: Runtime,
+    cfg: BenchConfig,
+    requests: int,
+    prompts: list[Messages] | None,
+    work: TraceWorkload | None,
+) -> list[Job]:
+    """The requests: seeded random prompts of the configured length, the chat prompts given,
+    or the trace's selected prompts (each with its replay's seeded ids), in turn."""
+    if work is not None:
+        source = rt.routing_replay(work.trace)
+        chosen = [work.prompts[i % len(work.prompts)] for i in range(requests)]
+        return [Job(rt.replay_request(source, i)[0], i) for i in chosen]
     if prompts is None:
-        return [random_prompt(rt, cfg.prompt_length, cfg.seed + i) for i in range(requests)]
+        return [Job(random_prompt(rt, cfg.prompt_length, cfg.seed + i)) for i in range(requests)]
     if not prompts:
         raise ValueError("no prompts to decode")
-    return [rt.prompt_ids(prompts[i % len(prompts)], chat=True) for i in range(requests)]
+    return [Job(rt.prompt_ids(prompts[i % len(prompts)], chat=True)) for i in range(requests)]
 
 
-def _single(rt: Runtime, pool: list[list[int]], decode: DecodeConfig) -> Pass:
+def _single(rt: Runtime, pool: list[Job], decode: DecodeConfig, work: TraceWorkload | None) -> Pass:
     """Every request alone, in turn."""
     out = Pass()
-    for prompt in track(pool, "1 stream"):
-        r = Request(prompt, arrived=time.perf_counter())
-        for block in rt.stream(prompt, decode=decode):
+    for job in track(pool, "1 stream"):
+        r = Request(job, arrived=time.perf_counter())
+        if job.traced is None:
+            blocks = rt.stream(job.prompt, decode=decode)
+        else:
+            assert work is not None  # a traced job comes from a workload
+            blocks = rt.replay_stream(work.trace, job.traced)
+        for block in blocks:
             _sync(rt)
             r.add(block.new_tokens, time.perf_counter())
         r.done = time.perf_counter()
@@ -139,19 +176,25 @@ def _single(rt: Runtime, pool: list[list[int]], decode: DecodeConfig) -> Pass:
     return out
 
 
-def _batched(rt: Runtime, dec: BatchDecoder, pool: list[list[int]], decode: DecodeConfig) -> Pass:
+def _batched(
+    rt: Runtime,
+    dec: BatchDecoder,
+    pool: list[Job],
+    decode: DecodeConfig,
+    source: BatchReplay | None = None,
+) -> Pass:
     """The pool in groups of `dec.max_batch`, each decoded as one batch that its requests join
-    one forward apart."""
+    one forward apart (a traced job replays its prompt through `source`)."""
     out, n = Pass(), dec.max_batch
     for g in track(range(0, len(pool), n), f"{n} streams"):
         t0 = time.perf_counter()
-        arriving = deque(Request(p) for p in pool[g : g + n])
+        arriving = deque(Request(job) for job in pool[g : g + n])
         out.joins += len(arriving) - 1  # the first finds the batch idle
         while arriving or dec.busy:
             if arriving:  # the next request arrives before this forward
                 r = arriving.popleft()
                 r.arrived = time.perf_counter()
-                dec.add(r.prompt, decode, tag=r)
+                add_job(rt, dec, r.job, decode, source, tag=r)
                 out.requests.append(r)
             _step(dec)
             out.forwards.append(dec.last)
@@ -173,20 +216,28 @@ def _step(dec: BatchDecoder) -> None:
 
 
 def _profile(
-    rt: Runtime, cfg: BenchConfig, prompts: list[list[int]], decode: DecodeConfig
+    rt: Runtime,
+    cfg: BenchConfig,
+    jobs: list[Job],
+    decode: DecodeConfig,
+    work: TraceWorkload | None = None,
 ) -> dict[str, Any]:
     """With `cfg.profile`: device ms per forward stage (CUDA only) and host ms per stage and
-    per forward, over a few steady forwards of these prompts decoded together (one stream:
-    the single-request path)."""
+    per forward, over a few steady forwards of these requests decoded together (one stream:
+    the single-request path; traced ones replay `work`'s prompts)."""
     if not cfg.profile:
         return {}
-    batch = prompts if len(prompts) > 1 else None
+    trace = work.trace if work is not None else None
+    where: dict[str, Any] = {"batch": jobs, "batch_trace": trace}
+    if len(jobs) == 1:
+        traced = jobs[0].traced
+        where = {"replay": (trace, traced)} if trace is not None and traced is not None else {}
     out = {}
     if rt.device.type == "cuda":
-        stages, unstaged = stage_breakdown(rt, prompts[0], decode, batch=batch)
+        stages, unstaged = stage_breakdown(rt, jobs[0].prompt, decode, **where)
         out["stages_ms_per_iteration"] = stages
         out["unstaged_kernels_ms_per_iteration"] = unstaged
-    out["host_ms_per_iteration"] = host_breakdown(rt, prompts[0], decode, batch=batch)
+    out["host_ms_per_iteration"] = host_breakdown(rt, jobs[0].prompt, decode, **where)
     return out
 
 

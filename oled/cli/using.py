@@ -335,7 +335,8 @@ def bench(
         typer.Option(
             "--streams",
             help="Concurrent streams, e.g. 1,2,4,8: per count, the same requests (as many as "
-            "the largest count, seeded random prompts) decode that many at a time in one batch; "
+            "the largest count, seeded random prompts; with a routing trace, its --prompts "
+            "replayed, each at least once, in whole groups) decode that many at a time in one batch; "
             "aggregate and per-request tokens/s, time to first token, the running streams' "
             "slowdown while prompts join, copies per token; --runs timed passes each.",
         ),
@@ -387,10 +388,16 @@ def bench(
         raise ValueError("--prompts selects traced prompts: give --routing trace:PATH")
     if streams is not None:
         counts = stream_counts(streams)
-        if routing is not None or follow:
-            raise ValueError("--streams decodes random prompts freely: drop --routing/--follow")
-        specs = _row_specs(paths, model, cache_size, flags)
-        _bench_streams(cfg, specs, counts, report_dir, _chat_prompts(prompt_file))
+        if follow:
+            raise ValueError("--streams decodes freely or replays a trace: drop --follow")
+        specs = [
+            (label, with_routing(spec, routing, prompts))
+            for label, spec in _row_specs(paths, model, cache_size, flags)
+        ]
+        works = [_trace_workload(spec) for _, spec in specs]
+        if prompt_file is not None and any(works):
+            raise ValueError("--prompt-file and a routing trace both give the prompts: drop one")
+        _bench_streams(cfg, specs, counts, report_dir, _chat_prompts(prompt_file), works)
         return
     if prompt_file is not None:
         raise ValueError("--prompt-file gives the prompts of --streams: add --streams")
@@ -434,24 +441,36 @@ def _bench_streams(
     counts: list[int],
     report_dir: Path | None,
     prompts: list[list[dict[str, str]]] | None = None,
+    works: Sequence[TraceWorkload | None] | None = None,
 ) -> None:
-    """Rows of concurrent streams per spec (oled.bench.streams), the tables and the report."""
+    """Rows of concurrent streams per spec (oled.bench.streams), the tables and the report;
+    a row with a trace workload replays its prompts."""
     from oled import bench as b
-    from oled.bench.streams import bench_streams, streams_table
+    from oled.bench.streams import bench_streams, replay_requests, streams_table
     from oled.runtime import build
 
     rows, used = [], "cpu"
-    for label, spec in specs:
+    for (label, spec), work in zip(specs, works or [None] * len(specs), strict=True):
         rt = build(spec)
         used = str(rt.device)
-        source = f"{len(prompts)} file prompts" if prompts else f"prompt {cfg.prompt_length}"
+        if work is not None:
+            requests = replay_requests(counts, len(work.prompts))
+            what = (
+                f"{requests} replays of {len(work.prompts)} prompts of {work.name} (routing, "
+                "commits and lengths from the trace; prompts in one forward each)"
+            )
+        else:
+            source = f"{len(prompts)} file prompts" if prompts else f"prompt {cfg.prompt_length}"
+            what = (
+                f"{max(counts)} requests, {source}, {cfg.gen_length} tokens, prompts in chunks "
+                f"of {rt.prefill_chunk or 'all'} tokens"
+            )
         err_console.print(
-            f"[dim]{label}: {max(counts)} requests, {source}, {cfg.gen_length} tokens, "
-            f"at {counts} streams, {cfg.warmup_runs} warm-up + {cfg.runs} timed passes, "
-            f"prompts in chunks of {rt.prefill_chunk or 'all'} tokens[/dim]"
+            f"[dim]{label}: {what}, at {counts} streams, {cfg.warmup_runs} warm-up + "
+            f"{cfg.runs} timed passes[/dim]"
         )
         _profile_note(cfg, rt)
-        rows += bench_streams(rt, cfg, label, counts, prompts=prompts)
+        rows += bench_streams(rt, cfg, label, counts, prompts=prompts, work=work)
         del rt
     out = Console(highlight=False, width=max(220, Console().width))  # 12 columns fit
     out.print(streams_table(rows))

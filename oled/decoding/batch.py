@@ -42,10 +42,22 @@ from oled.decoding.decoder import (
     open_positions,
     select_commits,
 )
-from oled.decoding.observers import BatchIterationInfo, BlockInfo, DecodeObserver, IterationInfo
+from oled.decoding.follow import Trajectory
+from oled.decoding.observers import (
+    BatchIterationInfo,
+    BatchPart,
+    BlockInfo,
+    DecodeObserver,
+    IterationInfo,
+)
 from oled.model.graphs import EagerForward
 from oled.model.model import BatchRows, KVCache, LLaDA2Model
 from oled.model.stages import stage
+
+
+def _overrides(observer: DecodeObserver, hook: str) -> bool:
+    """Whether `observer` implements `hook` (the base class's does nothing)."""
+    return getattr(type(observer), hook, None) is not getattr(DecodeObserver, hook)
 
 
 def padded_keys(needed: int) -> int:
@@ -67,6 +79,7 @@ class Stream:
     total: int  # positions in all: prompt, answer, the last block's rest
     stats: GenerationStats
     gen: torch.Generator | None
+    follow: Trajectory | None = None  # the generation whose commits it takes, if any
     slot: int = -1  # its KV slot while active
     block: int = 0  # block index
     began: int = 0  # the batch's forward that ran its block first (iteration = forwards - began)
@@ -109,6 +122,7 @@ class Layout:
     strict: Tensor  # [D, 1] bool
     threshold: Tensor  # [D, 1] float32
     sampled: bool  # some decoding stream samples (temperature > 0)
+    follows: bool  # some decoding stream takes a followed generation's commits
     cached: list[tuple[Stream, int]]  # streams with prefix rows: what they hold after it
     prefill: int  # rows of prompts not yet decoding
     running: int  # decoding streams that decoded in an earlier forward too
@@ -202,9 +216,13 @@ class BatchDecoder:
         *,
         cancelled: Callable[[], bool] = lambda: False,
         tag: Any = None,
+        follow: Trajectory | None = None,
     ) -> Stream:
-        """Queue a generation; it joins at the next `step` with a free slot. ValueError for
-        an empty prompt, a block length other than the batch's, or too many positions."""
+        """Queue a generation; it joins at the next `step` with a free slot. With `follow`, it
+        commits what that recorded generation committed, as `BlockDecoder` does (a routing
+        replay's schedule: oled.trace.replay); its prompt then enters in one forward, as the
+        recorded one did. ValueError for an empty prompt, a block length other than the
+        batch's, too many positions, or a followed generation with prompt chunks."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if cfg.block_length != self.block_length:
@@ -213,6 +231,10 @@ class BatchDecoder:
             )
         if not cfg.use_cache:
             raise ValueError("batched decoding keeps each sequence's prefix: use_cache must be on")
+        if follow is not None and self.prefill_chunk is not None:
+            raise ValueError(
+                "a followed generation's prompt runs in one forward: use prefill_chunk 0"
+            )
         first, _, total = layout(len(prompt), cfg, self.model.config.max_position_embeddings)
         gen = None
         if cfg.temperature:
@@ -226,6 +248,7 @@ class BatchDecoder:
             total=total,
             stats=GenerationStats(prompt_tokens=len(prompt)),
             gen=gen,
+            follow=follow,
         )
         self.waiting.append(stream)
         return stream
@@ -242,6 +265,12 @@ class BatchDecoder:
         lay = self._layout or self._lay_out()
         self._layout = lay
         self._emit("on_iteration_start", self.blocks_begun, 0, self.forwards)
+        if any(_overrides(obs, "on_batch_start") for obs in self.observers):
+            parts = [
+                BatchPart(s.tag, self._step_of(s), n, s.follow)
+                for s, n in zip(lay.streams, lay.lengths, strict=True)
+            ]
+            self._emit("on_batch_start", self.forwards, parts)
         t0 = time.perf_counter()
         logits = self._forward(lay)  # [D * L, V]: each decoding stream's block rows, in order
         commits: Commits | None = None  # on the host
@@ -339,6 +368,7 @@ class BatchDecoder:
             strict=ints[4, :, None].bool(),
             threshold=thresholds.to(self.device)[:, None],
             sampled=any(c.temperature for c in cfgs),
+            follows=any(s.follow is not None for s in dec),
             cached=cached,
             prefill=joining[0],
             running=len(dec) - joining[1],
@@ -374,12 +404,37 @@ class BatchDecoder:
         masked = self.open[lay.slots[:, 0]]  # [D, L]
         rule = lay.at_least(self.forwards, bl)
         commit = select_commits(conf, masked, lay.threshold, lay.strict, rule)  # [D, L]
+        if lay.follows:
+            conf, tokens, commit = self._followed(lay, conf, tokens, commit)
         block = torch.where(commit, tokens, self.seqs[lay.slots, lay.positions])  # [D, L]
         self.seqs[lay.slots, lay.positions] = block
         still = masked & ~commit  # [D, L]
         ended = ~still.any(dim=1)  # [D]
         self.open[lay.slots[:, 0]] = still | ended[:, None]  # a next block: all of it open
         return Commits(masked, commit, conf, block, ended)
+
+    def _followed(
+        self, lay: Layout, conf: Tensor, tokens: Tensor, commit: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(confidence, token, commit) [D, L] with each following stream's taken from its
+        followed generation at its step (a replay's confidences too), as `BlockDecoder` takes
+        them."""
+        bl, rows = self.block_length, []
+        for d, s in enumerate(lay.decoding):
+            if s.follow is None:
+                rows.append((conf[d], tokens[d], commit[d]))
+                continue
+            step = self._step_of(s)
+            taken, forced = s.follow.at(step, bl, self.device)
+            recorded = s.follow.confidence_at(step, self.device)
+            rows.append((conf[d] if recorded is None else recorded, forced, taken))
+        conf, tokens, commit = (torch.stack(parts) for parts in zip(*rows, strict=True))
+        return conf, tokens, commit  # [D, L] each
+
+    def _step_of(self, s: Stream) -> int:
+        """Stream `s`'s forwards so far (before the one running): its step over its
+        generation."""
+        return s.stats.iterations + len(self._ms)
 
     def _choose(self, lay: Layout, logits: Tensor) -> tuple[Tensor, Tensor]:
         """(confidence, token) [D, L] of each decoding stream from its logits [D, L, V]: one
@@ -433,7 +488,7 @@ class BatchDecoder:
     ) -> IterationInfo:
         """Stream `s`'s part of a batched forward: `rows` rows, its block the `d`-th
         decoding one (None: prompt rows only)."""
-        step = s.stats.iterations + len(self._ms) - 1
+        step = self._step_of(s) - 1
         if d is None or commits is None:
             none = torch.zeros(0, dtype=torch.bool, device=self.device)
             return IterationInfo(

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from oled.decoding.follow import Trajectory
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,16 @@ class BatchIterationInfo:
 
 
 @dataclass(frozen=True)
+class BatchPart:
+    """One sequence's rows in a batched forward about to run."""
+
+    tag: object  # the caller's handle of the sequence
+    step: int  # its forwards before this one (the index of this one over its generation)
+    rows: int  # rows it runs, pending prefix first
+    follow: Trajectory | None  # the generation whose commits it takes, if any
+
+
+@dataclass(frozen=True)
 class BlockInfo:
     """A finished block."""
 
@@ -60,6 +74,10 @@ class DecodeObserver:
 
     def on_iteration(self, info: IterationInfo) -> None:
         """A forward ran and the decoder committed tokens."""
+
+    def on_batch_start(self, step: int, parts: list[BatchPart]) -> None:
+        """A batched forward (the batch's `step`-th) is about to run these sequences' rows, in
+        row order (after `on_iteration_start`)."""
 
     def on_batch_iteration(self, info: BatchIterationInfo) -> None:
         """A batched forward ran and each of its sequences committed tokens (in place of

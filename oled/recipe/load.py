@@ -372,10 +372,10 @@ def _resolve_paths(kind: str, component: Component, base: Path | None, where: Lo
         value = params.get(name)
         if not isinstance(value, str):
             continue
-        path = Path(value).expanduser()
-        if base is not None and not path.is_absolute():
-            path = base / path
+        path = beside(value, base)  # a recipe overridden later names it from here
         if not path.is_file():
+            if base is not None and not path.is_absolute():
+                path = base / path  # where the recipe looked first
             raise RecipeError(where.line(("policy", kind, name), f"no such file: {path}"))
         params[name] = str(path)
 

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from oled.decoding.config import DecodeConfig
 from oled.decoding.follow import Trajectory
-from oled.decoding.observers import DecodeObserver, IterationInfo
+from oled.decoding.observers import BatchPart, DecodeObserver, IterationInfo
 from oled.model.config import ModelConfig
 from oled.model.model import LLaDA2Model, RoutingOverride
 from oled.model.tokenizer import Tokenizer
@@ -104,8 +104,15 @@ class ReplayTrajectory(Trajectory):
 
     agreement = False
 
-    def __init__(self, commits: Tensor, confidence: Tensor, token: int) -> None:
+    def __init__(
+        self,
+        commits: Tensor,
+        confidence: Tensor,
+        token: int,
+        traced: ReplayPrompt | None = None,
+    ) -> None:
         super().__init__()
+        self.traced = traced  # the trace's generation it schedules
         self.commits, self.confidence = commits, confidence  # [S, L] bool, [S, L] fp32
         self.forced = torch.full(commits.shape, token, dtype=torch.long)  # [S, L]
         self.steps = list(zip(self.commits, self.forced, strict=True))
@@ -285,11 +292,16 @@ class RoutingReplay(DecodeObserver):
         self._weights_host = torch.empty(0, dtype=torch.float32)
         self._loaded: torch.cuda.Event | None = None  # the last copy out of the staging
         self._prompt: ReplayPrompt | None = None
-        self._step = -1  # the trace's step index of the forward being replayed
+        self._spans: list[tuple[int, int]] = []  # trace rows of the forward being replayed
         self.warned = False  # said that the trace records no prediction
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    @property
+    def capacity(self) -> int:
+        """Rows of the largest forward replayed: the trace's largest."""
+        return self.max_rows
 
     def check(self, config: ModelConfig) -> None:
         """ValueError unless a model of `config` routes like the trace."""
@@ -302,8 +314,9 @@ class RoutingReplay(DecodeObserver):
         self.check(model.config)
         layers, _, k = self.geometry
         device = model.lm_head.weight.device
-        self.override = RoutingOverride(layers=layers, top_k=k, rows=self.max_rows, device=device)
-        size = layers * self.max_rows * k
+        rows = self.capacity
+        self.override = RoutingOverride(layers=layers, top_k=k, rows=rows, device=device)
+        size = layers * rows * k
         pin = device.type == "cuda"
         self._ids_host = torch.empty(size, dtype=torch.long, pin_memory=pin)
         self._weights_host = torch.empty(size, dtype=torch.float32, pin_memory=pin)
@@ -331,7 +344,9 @@ class RoutingReplay(DecodeObserver):
         rows = ends[:, None] - bl + np.arange(bl)  # [S, L]: the block's rows of each forward
         commits = np.asarray(t.token_state)[rows] == TOKEN_COMMITTED
         confidence = np.asarray(t.confidence, np.float32)[rows]
-        return ReplayTrajectory(torch.from_numpy(commits), torch.from_numpy(confidence), token)
+        return ReplayTrajectory(
+            torch.from_numpy(commits), torch.from_numpy(confidence), token, traced=p
+        )
 
     def prepare(
         self, index: int, *, model: LLaDA2Model, base: DecodeConfig, exclude: Collection[int]
@@ -360,7 +375,7 @@ class RoutingReplay(DecodeObserver):
             raise RuntimeError("RoutingReplay: no prompt prepared (use Runtime.replay)")
         if step >= p.steps:
             raise ValueError(f"prompt {p.index} has {p.steps} traced forwards; this is {step + 1}")
-        s = self._step = p.first_step + step
+        s = p.first_step + step
         t = self.trace
         if (int(t.block[s]), int(t.iteration[s])) != (block, iteration):
             raise ValueError(
@@ -368,14 +383,25 @@ class RoutingReplay(DecodeObserver):
                 f"trace's is block {t.block[s]} iteration {t.iteration[s]}"
             )
         a, b = int(t.row_offsets[s]), int(t.row_offsets[s + 1])
+        self._load([(a, b)])
+
+    def _load(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Send the traced routing of these trace row spans, side by side, to the override's
+        buffers in one copy per tensor (after the staging's last copy is done)."""
+        assert self.override is not None  # bound
+        self._spans = list(spans)
         layers, _, k = self.geometry
-        n = layers * (b - a) * k
+        rows = sum(b - a for a, b in spans)
+        n = layers * rows * k
         if self._loaded is not None:  # the staging's last copy must be done before refilling
             self._loaded.synchronize()
-        ids = self._ids_host[:n].view(layers, b - a, k)
-        weights = self._weights_host[:n].view(layers, b - a, k)
-        ids.copy_(torch.from_numpy(np.asarray(t.ids[:, a:b])))
-        weights.copy_(torch.from_numpy(np.asarray(t.weights[:, a:b])))
+        ids = self._ids_host[:n].view(layers, rows, k)
+        weights = self._weights_host[:n].view(layers, rows, k)
+        at = 0
+        for a, b in spans:
+            ids[:, at : at + b - a] = torch.from_numpy(np.asarray(self.trace.ids[:, a:b]))
+            weights[:, at : at + b - a] = torch.from_numpy(np.asarray(self.trace.weights[:, a:b]))
+            at += b - a
         self.override.load(ids, weights)
         if self._loaded is not None:
             self._loaded.record()
@@ -406,13 +432,68 @@ class RoutingReplay(DecodeObserver):
         """The ids [T, K] int64 that MoE layer `layer` + 1's router gave layer `layer`'s router
         input in the forward being replayed, as the trace recorded them."""
         ahead = getattr(self.trace, "ahead_ids", None)
-        if ahead is None or self._step < 0:
+        if ahead is None or not self._spans:
             raise RuntimeError("RoutingReplay: no recorded prediction for this forward")
-        t = self.trace
-        a, b = int(t.row_offsets[self._step]), int(t.row_offsets[self._step + 1])
-        if b - a != rows:
-            raise ValueError(f"forward of {rows} rows, the trace's {b - a}: not the traced one")
-        return np.asarray(ahead[layer, a:b], np.int64)
+        traced = sum(b - a for a, b in self._spans)
+        if traced != rows:
+            raise ValueError(f"forward of {rows} rows, the trace's {traced}: not the traced one")
+        return np.concatenate([np.asarray(ahead[layer, a:b], np.int64) for a, b in self._spans])
+
+
+class BatchReplay(RoutingReplay):
+    """A trace, ready to replay several of its prompts at once in a batch decoder
+    (oled.decoding.batch): each stream follows one prompt's `ReplayTrajectory` (from
+    `prepare`), and before each batched forward this observer sends every stream's traced
+    routing of its step, side by side in the forward's row order, to an override with room for
+    `max_batch` of the trace's largest forwards. `Runtime.replay_batch` drives it."""
+
+    def __init__(
+        self, trace: RoutingTrace, *, max_batch: int, block_length: int = 32, seed: int = 0
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, not {max_batch}")
+        super().__init__(trace, block_length=block_length, seed=seed)
+        self.max_batch = max_batch
+
+    @property
+    def capacity(self) -> int:
+        """Rows of the largest batched forward: `max_batch` of the trace's largest."""
+        return self.max_batch * self.max_rows
+
+    def on_iteration_start(self, block: int, iteration: int, step: int) -> None:
+        """Batched forwards load in `on_batch_start`."""
+
+    def on_batch_start(self, step: int, parts: list[BatchPart]) -> None:
+        """Send the forward's traced routing: each stream's traced forward at its step, in
+        row order. ValueError for a stream that follows no prompt of this trace, or runs
+        other rows than its traced forward."""
+        if self.override is None:
+            raise RuntimeError("BatchReplay: not bound to a model (use Runtime.replay_batch)")
+        spans = []
+        for part in parts:
+            traced = getattr(part.follow, "traced", None)
+            if not isinstance(traced, ReplayPrompt) or self.prompts[traced.index] != traced:
+                raise ValueError("a stream of a batched replay follows no prompt of its trace")
+            if part.step >= traced.steps:
+                raise ValueError(
+                    f"prompt {traced.index} has {traced.steps} traced forwards; this is "
+                    f"{part.step + 1}"
+                )
+            s = traced.first_step + part.step
+            a, b = int(self.trace.row_offsets[s]), int(self.trace.row_offsets[s + 1])
+            if part.rows != b - a:
+                raise ValueError(
+                    f"prompt {traced.index}, forward {part.step} runs {part.rows} rows, the "
+                    f"trace {b - a}"
+                )
+            spans.append((a, b))
+        self._load(spans)
+
+    def on_iteration(self, info: IterationInfo) -> None:
+        """Batched forwards are checked in `on_batch_start`."""
+
+    def on_generation_end(self) -> None:
+        self._spans = []
 
 
 class ReplayWarning(UserWarning):

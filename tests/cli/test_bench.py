@@ -574,3 +574,41 @@ def test_prompt_file_needs_streams(tmp_path):
     prompts.write_text('{"prompt": "ROMEO:"}\n')
     result = runner.invoke(app, ["bench", "--prompt-file", str(prompts)])
     assert result.exit_code != 0 and "--streams" in result.output
+
+
+def test_bench_streams_replay_a_routing_trace(tiny_dir, trace_file, tmp_path):
+    """`--streams` with `--routing`: the trace's selected prompts, replayed one at a time and
+    two at a time under a budget; every request decodes its traced blocks, and the report
+    names the trace and the prompts of the pool."""
+    args = [
+        *bench_tiny(tiny_dir),
+        "--cache-size",
+        "16",
+        "--streams",
+        "1,2",
+        "--routing",
+        f"trace:{trace_file}",
+        "--prompts",
+        "0:2",
+        "--runs",
+        "2",
+        "--warmup-runs",
+        "1",
+        "--profile",
+        "--report-dir",
+        str(tmp_path),
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "2 replays of 2 prompts of default.oledtrace" in result.output
+    report = json.loads(next(tmp_path.glob("bench-*.json")).read_text())
+    one, two = report["rows"]
+    for row in (one, two):
+        assert row["requests"] == 4 and row["equal"] == 4
+        assert row["tokens"] == 2 * (13 + 19)  # two passes; prompts 0 and 1: 13 and 19 tokens
+        assert row["routing"] == {"trace": "default.oledtrace", "prompts": [0, 1]}
+        assert row["copies_per_token"] > 0
+    assert two["graph_captures"] == 0
+    for row in (one, two):  # --profile: host time per stage of replayed forwards
+        assert row["host_ms_per_iteration"]["iteration"] > 0
+        assert row["host_ms_per_iteration"]["routing"] > 0

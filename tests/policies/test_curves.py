@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,12 +91,18 @@ def test_curves_of_another_shape_or_no_curves_are_named(tmp_path) -> None:
         CurvesAllocation(curves=str(tmp_path / "bad.json"))
 
 
-def test_a_recipe_names_curves_beside_it(tmp_path) -> None:
+def test_a_recipe_names_curves_beside_it(tmp_path, monkeypatch) -> None:
     MissCurves(np.zeros((3, 33), np.int64), {}).save(tmp_path / "curves.json")
     text = '[model]\npath = "builtin:tiny"\n[policy.allocation]\nkind = "curves"\ncurves = "{}"\n'
     (tmp_path / "r.toml").write_text(text.format("curves.json"))
     recipe = load_recipe(tmp_path / "r.toml")
     assert recipe.policy.allocation.params["curves"] == str(tmp_path / "curves.json")
+
+    # a recipe named from another folder, the flags over it: the same file (not looked up
+    # beside the recipe twice)
+    monkeypatch.chdir(tmp_path.parent)
+    named = load_recipe(Path(tmp_path.name) / "r.toml").with_values({"decoding.seed": 3})
+    assert named.policy.allocation.params["curves"] == str(Path(tmp_path.name) / "curves.json")
     (tmp_path / "r.toml").write_text(text.format("none.json"))
     with pytest.raises(RecipeError, match=r"r.toml:5: .*no such file: .*none.json"):
         load_recipe(tmp_path / "r.toml")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from oled.decoding.observers import DecodeObserver
 from oled.model.presets import init_checkpoint
 from oled.offload.budget import Budget
 from oled.runtime import Runtime, build_runtime, load_runtime
@@ -318,3 +319,78 @@ def test_a_trace_without_a_prediction_says_so_once(trace, other_dir):
         warnings.simplefilter("error")
         rt.replay(old, 1)
     assert rt.offload_summary()["hits"] > 0
+
+
+def _batch_replay(rt: Runtime, trace: Trace, chosen: list[int], max_batch: int):
+    """Replay `chosen` prompts in one batch, each joining a forward after the last; every
+    stream's tokens and iterations, and what the planner was shown per forward."""
+    seen: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
+    real = rt.executor.planner.observe
+
+    def observe(layer, ids, weights, ctx):
+        seen.append((layer, ids.copy(), ctx.token_state.copy(), ctx.confidence.copy()))
+        return real(layer, ids, weights, ctx)
+
+    rt.executor.planner.observe = observe
+    streams, spans = [], []  # per forward: each stream's trace rows, in row order
+    with rt.replay_batch(trace, max_batch) as (dec, source):
+        waiting = [rt.replay_request(source, i) for i in chosen]
+
+        class Rows(DecodeObserver):
+            def on_batch_start(self, step, parts):
+                rows = []
+                for part in parts:
+                    s = part.follow.traced.first_step + part.step
+                    rows.append((int(trace.row_offsets[s]), int(trace.row_offsets[s + 1])))
+                spans.append(rows)
+
+        dec.observers.append(Rows())
+        while waiting or dec.busy:
+            if waiting:
+                ids, decode, follow = waiting.pop(0)
+                streams.append(dec.add(ids, decode, follow=follow))
+            dec.step()
+    rt.executor.planner.observe = real
+    return streams, spans, seen
+
+
+def test_a_batch_replays_several_prompts_side_by_side(trace, other_dir):
+    """Three prompts decoded together, joining a forward apart: each batched forward runs
+    every stream's traced routing side by side, and the policies see the traced token states
+    and confidences; each stream decodes its traced forwards and blocks."""
+    rt = offloaded(other_dir, Budget("expert_fraction", 0.25), stage_capacity=2)
+    streams, spans, seen = _batch_replay(rt, trace, [0, 1, 2], max_batch=3)
+    prompts = split_prompts(trace)
+    assert [s.stats.iterations for s in streams] == [p.steps for p in prompts]
+    assert [s.stats.blocks for s in streams] == [p.blocks for p in prompts]
+    token = rt.replay_request(RoutingReplay(trace), 0)[2].forced[0, 0].item()
+    for s, p in zip(streams, prompts, strict=True):
+        assert s.generated == [token] * p.max_new_tokens
+    assert max(len(rows) for rows in spans) == 3  # all three at once at some point
+    layers = trace.meta.num_moe_layers
+    assert len(seen) == layers * len(spans)
+    for f, rows in enumerate(spans):
+        for layer, ids, state, confidence in seen[f * layers : (f + 1) * layers]:
+            assert np.array_equal(ids, np.concatenate([trace.ids[layer, a:b] for a, b in rows]))
+            assert np.array_equal(state, np.concatenate([trace.token_state[a:b] for a, b in rows]))
+            assert np.array_equal(
+                confidence, np.concatenate([trace.confidence[a:b] for a, b in rows])
+            )
+    assert rt.offload_summary()["misses"] > 0
+    assert rt.model.routing_key is None  # the routers' own routing again
+
+
+def test_a_batch_replay_refuses_what_the_trace_did_not_run(trace, tiny_dir):
+    rt = offloaded(tiny_dir, Budget("expert_fraction", 0.5))
+    with rt.replay_batch(trace, 2) as (dec, source):
+        ids, decode, follow = rt.replay_request(source, 0)
+        dec.add(ids[:-8], decode, follow=follow)  # a block shorter than traced
+        with pytest.raises(ValueError, match="runs 16 rows, the trace 24"):
+            dec.step()
+    with rt.replay_batch(trace, 2) as (dec, source):
+        dec.add(*rt.replay_request(source, 0)[:2])  # follows nothing
+        with pytest.raises(ValueError, match="follows no prompt of its trace"):
+            dec.step()
+    chunked = rt.batch_decoder(2, block_length=8, prefill_chunk=8)
+    with pytest.raises(ValueError, match="prefill_chunk 0"):
+        chunked.add(*rt.replay_request(RoutingReplay(trace), 0)[:2], follow=follow)
