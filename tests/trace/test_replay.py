@@ -321,9 +321,10 @@ def test_a_trace_without_a_prediction_says_so_once(trace, other_dir):
     assert rt.offload_summary()["hits"] > 0
 
 
-def _batch_replay(rt: Runtime, trace: Trace, chosen: list[int], max_batch: int):
-    """Replay `chosen` prompts in one batch, each joining a forward after the last; every
-    stream's tokens and iterations, and what the planner was shown per forward."""
+def _batch_replay(rt: Runtime, trace: Trace, chosen: list[int], max_batch: int, passes: int = 1):
+    """Replay `chosen` prompts in one batch, each joining a forward after the last (`passes`
+    times, in one batch decoder); every stream, and per forward its streams' trace rows and
+    what the planner was shown."""
     seen: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
     real = rt.executor.planner.observe
 
@@ -334,7 +335,6 @@ def _batch_replay(rt: Runtime, trace: Trace, chosen: list[int], max_batch: int):
     rt.executor.planner.observe = observe
     streams, spans = [], []  # per forward: each stream's trace rows, in row order
     with rt.replay_batch(trace, max_batch) as (dec, source):
-        waiting = [rt.replay_request(source, i) for i in chosen]
 
         class Rows(DecodeObserver):
             def on_batch_start(self, step, parts):
@@ -345,11 +345,13 @@ def _batch_replay(rt: Runtime, trace: Trace, chosen: list[int], max_batch: int):
                 spans.append(rows)
 
         dec.observers.append(Rows())
-        while waiting or dec.busy:
-            if waiting:
-                ids, decode, follow = waiting.pop(0)
-                streams.append(dec.add(ids, decode, follow=follow))
-            dec.step()
+        for _ in range(passes):
+            waiting = [rt.replay_request(source, i) for i in chosen]
+            while waiting or dec.busy:
+                if waiting:
+                    ids, decode, follow = waiting.pop(0)
+                    streams.append(dec.add(ids, decode, follow=follow))
+                dec.step()
     rt.executor.planner.observe = real
     return streams, spans, seen
 
@@ -394,3 +396,33 @@ def test_a_batch_replay_refuses_what_the_trace_did_not_run(trace, tiny_dir):
     chunked = rt.batch_decoder(2, block_length=8, prefill_chunk=8)
     with pytest.raises(ValueError, match="prefill_chunk 0"):
         chunked.add(*rt.replay_request(RoutingReplay(trace), 0)[:2], follow=follow)
+
+
+@pytest.mark.gpu
+def test_a_graphed_batch_replay_runs_every_streams_traced_routing(trace, other_dir):
+    """On CUDA with graphs, offloaded: the second pass replays the first pass's graphs, and
+    every batched forward's routing is still its streams' traced routing side by side."""
+    from oled.policies import compensation as C
+    from oled.policies import retention as R
+
+    rt = build_runtime(
+        model=str(other_dir),
+        device="cuda",
+        dtype="bfloat16",
+        cost="h200",
+        budget=Budget("expert_fraction", 0.25),
+        retention=R.LFURetention(),
+        compensation=C.TransferOnly(),
+    )
+    streams, spans, seen = _batch_replay(rt, trace, [0, 1, 2], max_batch=3, passes=2)
+    assert rt.forward.replays > 0
+    prompts = split_prompts(trace)
+    assert [s.stats.iterations for s in streams] == [p.steps for p in prompts] * 2
+    layers = trace.meta.num_moe_layers
+    assert len(seen) == layers * len(spans)
+    for f, rows in enumerate(spans):
+        for layer, ids, _, confidence in seen[f * layers : (f + 1) * layers]:
+            assert np.array_equal(ids, np.concatenate([trace.ids[layer, a:b] for a, b in rows]))
+            assert np.array_equal(
+                confidence, np.concatenate([trace.confidence[a:b] for a, b in rows])
+            )
