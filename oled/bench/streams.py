@@ -15,7 +15,7 @@ time to first token (from its arrival to the first streamed block with answer to
 p90, the running streams' slowdown while prompts join (each forward that carried a joining
 prompt's rows beside running streams over the median forward of as many streams that carried
 none, averaged) and their stall (what those forwards took beyond that median, per joining
-prompt), and expert copies per generated token. With `profile`: device time per
+prompt), and expert copies and CPU experts per generated token. With `profile`: device time per
 forward stage (CUDA) and host time per stage and per forward, from a few steady forwards of N
 streams (oled.bench.profile).
 """
@@ -72,13 +72,21 @@ class Request:
 
 @dataclass
 class Pass:
-    """One timed pass over the pool: its requests, copies, seconds and batched forwards."""
+    """One timed pass over the pool: its requests, copies, CPU experts, seconds and batched
+    forwards."""
 
     requests: list[Request] = field(default_factory=list)
     copies: float = 0.0
+    cpu_experts: float = 0.0
     seconds: float = 0.0
     forwards: list[ForwardFigures] = field(default_factory=list)
     joins: int = 0  # requests that joined a batch with streams decoding
+
+    def add_misses(self, rt: Runtime) -> None:
+        """Count the last generation's (or batch's) expert copies and CPU experts."""
+        summary = rt.offload_summary() or {}
+        self.copies += float(summary.get("copies", 0))
+        self.cpu_experts += float(summary.get("cpu_experts", 0))
 
     @property
     def tokens(self) -> int:
@@ -171,7 +179,7 @@ def _single(rt: Runtime, pool: list[Job], decode: DecodeConfig, work: TraceWorkl
             r.add(block.new_tokens, time.perf_counter())
         r.done = time.perf_counter()
         out.seconds += r.done - r.arrived
-        out.copies += _copies(rt)
+        out.add_misses(rt)
         out.requests.append(r)
     return out
 
@@ -200,7 +208,7 @@ def _batched(
             out.forwards.append(dec.last)
         _sync(rt)
         out.seconds += time.perf_counter() - t0
-        out.copies += _copies(rt)
+        out.add_misses(rt)
     return out
 
 
@@ -239,12 +247,6 @@ def _profile(
         out["unstaged_kernels_ms_per_iteration"] = unstaged
     out["host_ms_per_iteration"] = host_breakdown(rt, jobs[0].prompt, decode, **where)
     return out
-
-
-def _copies(rt: Runtime) -> float:
-    """The expert copies of the last generation (or batch), 0 when every expert is resident."""
-    summary = rt.offload_summary()
-    return 0.0 if summary is None else float(summary["copies"])
 
 
 def _captures(rt: Runtime) -> int:
@@ -286,6 +288,7 @@ def _row(
         **_joins([f for p in passes for f in p.forwards], sum(p.joins for p in passes)),
         "copies": sum(p.copies for p in passes),
         "copies_per_token": sum(p.copies for p in passes) / tokens if tokens else 0.0,
+        "cpu_experts_per_token": sum(p.cpu_experts for p in passes) / tokens if tokens else 0.0,
         "equal": equal,
     }
 
@@ -331,6 +334,7 @@ def streams_table(rows: list[dict[str, Any]]) -> Table:
         "running slowdown",
         "stall ms/join",
         "copies/token",
+        "CPU experts/token",
         "= 1 stream",
     ]
     for col in cols:
@@ -351,6 +355,7 @@ def streams_table(rows: list[dict[str, Any]]) -> Table:
             fmt(r.get("running_slowdown"), "{:.2f}x"),
             fmt(r.get("stall_ms_per_join"), "{:.1f}"),
             f"{r['copies_per_token']:.1f}",
+            f"{r.get('cpu_experts_per_token', 0.0):.1f}",
             f"{r['equal']}/{r['requests']}",
         )
     return out

@@ -472,7 +472,7 @@ def _bench_streams(
         _profile_note(cfg, rt)
         rows += bench_streams(rt, cfg, label, counts, prompts=prompts, work=work)
         del rt
-    out = Console(highlight=False, width=max(220, Console().width))  # 12 columns fit
+    out = Console(highlight=False, width=max(240, Console().width))  # 14 columns fit
     out.print(streams_table(rows))
     if any("stages_ms_per_iteration" in r for r in rows):
         out.print(b.stage_table(rows))

@@ -607,7 +607,7 @@ def test_bench_streams_replay_a_routing_trace(tiny_dir, trace_file, tmp_path):
         assert row["requests"] == 4 and row["equal"] == 4
         assert row["tokens"] == 2 * (13 + 19)  # two passes; prompts 0 and 1: 13 and 19 tokens
         assert row["routing"] == {"trace": "default.oledtrace", "prompts": [0, 1]}
-        assert row["copies_per_token"] > 0
+        assert row["copies_per_token"] > 0 and row["cpu_experts_per_token"] == 0  # on a CPU
     assert two["graph_captures"] == 0
     for row in (one, two):  # --profile: host time per stage of replayed forwards
         assert row["host_ms_per_iteration"]["iteration"] > 0
