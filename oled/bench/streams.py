@@ -46,6 +46,7 @@ from oled.decoding.batch import BatchDecoder, ForwardFigures
 from oled.decoding.decoder import median_p90
 from oled.progress import track
 from oled.runtime import Runtime
+from oled.trace.batched import whole_groups
 from oled.trace.replay import BatchReplay
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ def bench_streams(
     trace's selected prompts replayed (in turn; by default every one at least once, in whole
     groups of the largest count)."""
     if work is not None:
-        requests = requests or replay_requests(counts, len(work.prompts))
+        requests = requests or whole_groups(max(counts), len(work.prompts))
     pool = _pool(rt, cfg, requests or max(counts), prompts, work)
     decode = bench_decode(rt, cfg)
     for _ in range(cfg.warmup_runs):
@@ -135,13 +136,6 @@ def bench_streams(
             row["routing"] = {"trace": work.name, "prompts": [j.traced for j in pool]}
         rows.append(row | _profile(rt, cfg, pool[:n], decode, work))
     return rows
-
-
-def replay_requests(counts: list[int], prompts: int) -> int:
-    """The pool of a replayed trace: every selected prompt at least once, in whole groups of
-    the largest stream count."""
-    n = max(counts)
-    return n * -(-prompts // n)
 
 
 def _pool(

@@ -131,6 +131,15 @@ def simulate_cmd(
             "share (default: the recipe's runtime.devices).",
         ),
     ] = None,
+    streams: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Decode the trace's prompts this many at a time, as `oled bench --streams N "
+            "--routing` does (each forward runs every running stream's traced rows side by "
+            "side); adds misses per generated token.",
+        ),
+    ] = None,
 ) -> None:
     """Replay a trace through policies: misses per forward, Belady's at the same capacities and
     the multiple, modelled latency, copies, CPU share and the share of the link's time hidden
@@ -144,12 +153,20 @@ def simulate_cmd(
     forward before.
     With several devices, each plans its share of the experts with its own cache: the misses
     per forward of each device, and the forward's time as the slowest device's plus the
-    modelled all-reduce of every MoE layer."""
+    modelled all-reduce of every MoE layer.
+    With --streams N, the forwards of the prompts decoded N at a time (oled.trace.batched)."""
     from oled.experiment.simulate import simulate_recipe
     from oled.recipe import load_recipe
     from oled.trace.format import Trace
 
     trace = Trace.load(trace_file)
+    tokens = 0
+    if streams is not None:
+        from oled.token_states import TOKEN_COMMITTED
+        from oled.trace.batched import batched
+
+        trace = batched(trace, streams)
+        tokens = int((trace.token_state == TOKEN_COMMITTED).sum())
     base = load_recipe(recipe, set_ or [])
     runs = {"recipe": base}
     if baselines:
@@ -168,12 +185,15 @@ def simulate_cmd(
         raise typer.BadParameter("the clairvoyant bound is for one device", param_hint="--bound")
     ahead = base.runtime.prefetch > 0
     title = f"{trace_file.name}: {trace.num_steps} forwards"
+    if streams is not None:
+        title += f" of {streams} stream{'s' * (streams > 1)}, {tokens} tokens"
     if split:
         title += f", {devices or base.runtime.devices} devices"
     table = Table(title=title)
     for col in (
         "policy",
         "misses/it",
+        *(["misses/token"] if tokens else []),
         *(["per device"] if split else []),
         "Belady",
         "x Belady",
@@ -202,6 +222,7 @@ def simulate_cmd(
         table.add_row(
             name,
             f"{misses / forwards:.1f}",
+            *([f"{misses / tokens:.1f}"] if tokens else []),
             *([each] if split else []),
             f"{least / max(1, res.iterations):.1f}",
             f"{misses / least:.2f}x" if least else "-",

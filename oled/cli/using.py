@@ -446,15 +446,16 @@ def _bench_streams(
     """Rows of concurrent streams per spec (oled.bench.streams), the tables and the report;
     a row with a trace workload replays its prompts."""
     from oled import bench as b
-    from oled.bench.streams import bench_streams, replay_requests, streams_table
+    from oled.bench.streams import bench_streams, streams_table
     from oled.runtime import build
+    from oled.trace.batched import whole_groups
 
     rows, used = [], "cpu"
     for (label, spec), work in zip(specs, works or [None] * len(specs), strict=True):
         rt = build(spec)
         used = str(rt.device)
         if work is not None:
-            requests = replay_requests(counts, len(work.prompts))
+            requests = whole_groups(max(counts), len(work.prompts))
             what = (
                 f"{requests} replays of {len(work.prompts)} prompts of {work.name} (routing, "
                 "commits and lengths from the trace; prompts in one forward each)"
