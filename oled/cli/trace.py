@@ -108,7 +108,11 @@ def simulate_cmd(
     trace_file: Annotated[Path, typer.Argument(help="A trace from `oled trace record`.")],
     recipe: Annotated[Path, typer.Option(help="Recipe whose budget and policies to replay.")],
     profile: Annotated[
-        str | None, typer.Option(help="Cost profile (h200, cpu-ci); default: the recipe's.")
+        str | None,
+        typer.Option(
+            help="Cost profile (h200, cpu-ci), or a JSON file of costs: a stored calibration "
+            "(`oled env` lists them) or a cost model's fields; default: the recipe's."
+        ),
     ] = None,
     baselines: Annotated[
         bool, typer.Option("--baselines", help="Also replay every baseline at the same budget.")

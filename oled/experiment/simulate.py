@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from oled.offload.budget import shape_slots
 from oled.policies import with_oled_defaults
 from oled.policies.base import CostModel
@@ -50,14 +53,17 @@ def simulate_recipe(
         raise ValueError(f"simulation: {exc}") from None
     cost_name = profile or recipe.runtime.cost
     if cost_name == "calibrate":
-        raise ValueError("simulation needs a named cost profile: --profile h200 or cpu-ci")
+        raise ValueError(
+            "simulation needs a named cost profile or a file of costs: --profile h200, cpu-ci "
+            "or a stored calibration's JSON (`oled env` lists them)"
+        )
     policies = with_oled_defaults(**recipe.policy.build())
     if clairvoyant:
         policies |= {"retention": ClairvoyantRetention(trace), "compensation": TransferOnly()}
     result = simulate(
         trace,
         total_slots=slots,
-        cost=CostModel.profile(cost_name),
+        cost=cost_model(cost_name),
         stage_capacity=recipe.runtime.stage_capacity,
         prefetch_limit=recipe.runtime.prefetch,
         ahead_from=recipe.runtime.ahead_from,
@@ -67,3 +73,19 @@ def simulate_recipe(
     )
     bound = belady_bypass(trace, result.capacity_history)
     return result, bound
+
+
+def cost_model(name: str) -> CostModel:
+    """A named cost profile, or a JSON file of costs: a stored calibration (its `cost`, as the
+    engine measured them on a machine) or a CostModel's fields. ValueError naming the file
+    when it is not one."""
+    path = Path(name).expanduser()
+    if name in CostModel.profiles() or path.suffix != ".json":
+        return CostModel.profile(name)
+    try:
+        data = json.loads(path.read_text())
+        return CostModel.from_json(json.dumps(data.get("cost", data)))
+    except OSError as exc:
+        raise ValueError(f"cost file {path}: {exc.strerror or exc}") from None
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"cost file {path}: not a calibration or cost model ({exc})") from None

@@ -111,3 +111,37 @@ def test_simulate_streams_counts_misses_per_token(trace_file, tiny_dir, tmp_path
     tokens = 13 + 19 + 16  # the three prompts' tokens, in a pool of whole groups of 1 and 3
     assert per[3][0] > per[1][0] and per[1][1] > per[3][1] > 0
     assert f"{tokens} tokens" in res.output
+
+
+def test_simulate_takes_the_costs_of_a_stored_calibration(trace_file, tiny_dir, tmp_path):
+    """`--profile FILE.json`: a stored calibration's costs (its `cost`) or a cost model's
+    fields drive the simulation; a file that is neither is named."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from oled.cli import app
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        f'[model]\npath = "{tiny_dir}"\n[runtime]\nbudget = {{ expert_fraction = 0.25 }}\n'
+    )
+    fields = json.loads(CostModel.profile("cpu-ci").to_json())
+    stored = tmp_path / "cost-abc.json"
+    stored.write_text(json.dumps({"cost": fields, "key": {}, "measured": "2026-12-07"}))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(fields | {"copy_ms_per_expert": 100.0}))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"copy": 1}')
+    model_ms = []
+    for path in (stored, plain):
+        cmd = ["simulate", str(trace_file), "--recipe", str(recipe), "--profile", str(path)]
+        res = CliRunner().invoke(app, cmd, env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.output
+        row = next(line for line in res.output.splitlines() if line.startswith("│ recipe"))
+        model_ms.append(float(row.split("│")[5]))  # ms/it (model)
+    assert model_ms[1] > 1.5 * model_ms[0]  # copies cost 100 ms each in the second
+    for path, what in ((bad, "not a calibration or cost model"), (tmp_path / "no.json", "")):
+        cmd = ["simulate", str(trace_file), "--recipe", str(recipe), "--profile", str(path)]
+        res = CliRunner().invoke(app, cmd, env={"COLUMNS": "200"})
+        assert res.exit_code != 0 and f"cost file {path}" in res.output and what in res.output
