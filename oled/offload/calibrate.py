@@ -315,6 +315,10 @@ def _warn(line: str) -> None:
     warnings.warn(line, CalibrationWarning, stacklevel=3)
 
 
+# /proc/stat counts in 10 ms ticks: a window shorter than this says little about the load
+LOAD_WINDOW_S = 0.1
+
+
 def measure_calibration(
     store: ExpertStore, device: torch.device, parts: dict[str, str], file: Path, configured: int
 ) -> Calibration:
@@ -325,13 +329,16 @@ def measure_calibration(
     cores = len(visible_cpus())
     before, start = read_sample(), time.perf_counter()
     cost, rounds, guard = measure_rounds(store, device)
+    seconds = time.perf_counter() - start
+    if seconds < LOAD_WINDOW_S:  # a quick measurement: watch the others for long enough
+        time.sleep(LOAD_WINDOW_S - seconds)
     others = others_busy(before, read_sample())
     load = {
         "threads": threads_now,
         "cores": cores,
         "others_cores": None if others is None else round(others, 3),
         "loadavg": loadavg(),
-        "seconds": round(time.perf_counter() - start, 3),
+        "seconds": round(seconds, 3),
     }
     clean = False
     if contended(threads_now, cores, others) or threads_now != configured:
@@ -445,8 +452,7 @@ def recheck(
     before, start = read_sample(), time.perf_counter()
     now = {name: _quick(fn, device) for name, fn in fns.items()}
     seconds = time.perf_counter() - start
-    # /proc/stat counts in 10 ms ticks: a shorter window than 0.1 s says little about the load
-    during = others_busy(before, read_sample()) if seconds >= 0.1 else None
+    during = others_busy(before, read_sample()) if seconds >= LOAD_WINDOW_S else None
     loaded = (
         threads_now < configured
         or contended(threads_now, cores, during)
