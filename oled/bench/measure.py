@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from oled import kernels
-from oled.bench.profile import Replay, host_breakdown, stage_breakdown
+from oled.bench.profile import Replay, profile_figures
 from oled.bench.runs import (
     BenchConfig,
     TraceWorkload,
@@ -110,14 +110,8 @@ def _profile_into(
     replay: Replay | None = None,
 ) -> None:
     """With `cfg.profile`: the device stage times (CUDA only) and the host times, into `row`."""
-    if cfg.profile and rt.device.type == "cuda":
-        stages, unstaged = stage_breakdown(rt, prompt, decode, follow=follow, replay=replay)
-        row["stages_ms_per_iteration"] = stages
-        row["unstaged_kernels_ms_per_iteration"] = unstaged
     if cfg.profile:
-        row["host_ms_per_iteration"] = host_breakdown(
-            rt, prompt, decode, follow=follow, replay=replay
-        )
+        row.update(profile_figures(rt, prompt, decode, follow=follow, replay=replay))
 
 
 def _digest(tokens: list[int]) -> str:

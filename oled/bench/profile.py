@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.autograd.profiler_util import FunctionEvent
@@ -23,6 +24,35 @@ from oled.trace.replay import RoutingTrace
 
 Replay = tuple[RoutingTrace, int]  # a trace and the index of the prompt to replay
 Batch = Sequence[Job]  # requests decoded together (traced ones replay `batch_trace`'s prompts)
+
+
+def profile_figures(
+    rt: Runtime,
+    prompt: list[int],
+    decode: DecodeConfig | None,
+    *,
+    follow: Trajectory | None = None,
+    replay: Replay | None = None,
+    batch: Batch | None = None,
+    batch_trace: RoutingTrace | None = None,
+) -> dict[str, dict[str, float]]:
+    """A row's profile: on CUDA the device ms per stage (`stages_ms_per_iteration`) and of the
+    kernels outside every stage (`unstaged_kernels_ms_per_iteration`), and everywhere the host
+    ms per stage and per iteration (`host_ms_per_iteration`), of one more generation run as
+    `stage_breakdown` and `host_breakdown` say."""
+    where: dict[str, Any] = {
+        "follow": follow,
+        "replay": replay,
+        "batch": batch,
+        "batch_trace": batch_trace,
+    }
+    out = {}
+    if rt.device.type == "cuda":
+        stages, unstaged = stage_breakdown(rt, prompt, decode, **where)
+        out["stages_ms_per_iteration"] = stages
+        out["unstaged_kernels_ms_per_iteration"] = unstaged
+    out["host_ms_per_iteration"] = host_breakdown(rt, prompt, decode, **where)
+    return out
 
 
 def stage_breakdown(

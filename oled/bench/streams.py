@@ -1,9 +1,10 @@
 """`oled bench --streams`: many users at once, decoded together (oled.decoding.batch).
 
 A row of N streams decodes the same pool of requests (seeded random prompts, a prompt
-file's, or a routing trace's prompts replayed: oled.trace.replay), N at a time: the requests of a group arrive one forward apart, so each one after the
-first joins a batch that is already decoding, and the group's batch runs until all of them
-end. The one-stream row is the single-request path (`Runtime.stream`), one request after
+file's, or a routing trace's prompts replayed: oled.trace.replay), N at a time: the requests
+of a group arrive one forward apart, so each one after the first joins a batch that is
+already decoding, and the group's batch runs until all of them end. The one-stream row is
+the single-request path (`Runtime.stream`, or `Runtime.replay_stream`), one request after
 another; its tokens are every request's reference, and each batched request's tokens are
 compared with them. Every row runs `runs` timed passes over the pool after its warm-up passes
 (`warmup_runs`; a batched row's over the whole pool, so that every shape's graphs are captured
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from oled.bench.profile import host_breakdown, stage_breakdown
+from oled.bench.profile import profile_figures
 from oled.bench.runs import (
     BenchConfig,
     Job,
@@ -234,13 +235,7 @@ def _profile(
     if len(jobs) == 1:
         traced = jobs[0].traced
         where = {"replay": (trace, traced)} if trace is not None and traced is not None else {}
-    out = {}
-    if rt.device.type == "cuda":
-        stages, unstaged = stage_breakdown(rt, jobs[0].prompt, decode, **where)
-        out["stages_ms_per_iteration"] = stages
-        out["unstaged_kernels_ms_per_iteration"] = unstaged
-    out["host_ms_per_iteration"] = host_breakdown(rt, jobs[0].prompt, decode, **where)
-    return out
+    return profile_figures(rt, jobs[0].prompt, decode, **where)
 
 
 def _captures(rt: Runtime) -> int:

@@ -336,7 +336,8 @@ def bench(
             "--streams",
             help="Concurrent streams, e.g. 1,2,4,8: per count, the same requests (as many as "
             "the largest count, seeded random prompts; with a routing trace, its --prompts "
-            "replayed, each at least once, in whole groups) decode that many at a time in one batch; "
+            "replayed, each at least once, in whole groups) decode that many at a time in one "
+            "batch; "
             "aggregate and per-request tokens/s, time to first token, the running streams' "
             "slowdown while prompts join, copies per token; --runs timed passes each.",
         ),

@@ -2,9 +2,10 @@
 
 `batched(trace, streams)` lays out the forwards that `oled bench --streams N --routing` runs
 (oled.bench.streams, oled.decoding.batch): the selected prompts in turn, in groups of
-`streams` (by default every prompt at least once, in whole groups); within a group the prompts join one forward apart, each running its traced
-forwards in order, the rows of every running stream side by side (in the order they joined),
-and a stream leaves after its last traced forward. The result is a trace of those batched
+`streams` (by default every prompt at least once, in whole groups); within a group the prompts
+join one forward apart, each running its traced forwards in order, the rows of every running
+stream side by side (in the order they joined), and a stream leaves after its last traced
+forward. The result is a trace of those batched
 forwards, for the simulator (`oled simulate --streams N`): each forward's rows are its streams'
 traced rows (routing, token states, confidences, rankings and predictions); `step` counts the
 forwards of a group (each group starts at 0, as a recorded generation does), `iteration` is 0,

@@ -293,6 +293,8 @@ class RoutingReplay(DecodeObserver):
         self._loaded: torch.cuda.Event | None = None  # the last copy out of the staging
         self._prompt: ReplayPrompt | None = None
         self._spans: list[tuple[int, int]] = []  # trace rows of the forward being replayed
+        # per prompt (and model): its seeded ids and its schedule on the model's device
+        self._ready: dict[tuple, tuple[list[int], ReplayTrajectory]] = {}
         self.warned = False  # said that the trace records no prediction
 
     def __len__(self) -> int:
@@ -358,13 +360,16 @@ class RoutingReplay(DecodeObserver):
         index %= len(self.prompts)
         self.bind(model)
         vocab = model.config.vocab_size
-        ids = self.prompt_ids(index, vocab_size=vocab, exclude=exclude)
-        token = commit_token(vocab, exclude)
         device = model.lm_head.weight.device
-        follow = self.trajectory(index, token).to(device)
-        follow.prompt = tuple(ids)
+        key = (index, vocab, tuple(sorted(exclude)), device)
+        if key not in self._ready:  # made once: every replay of the prompt follows the same
+            ids = self.prompt_ids(index, vocab_size=vocab, exclude=exclude)
+            follow = self.trajectory(index, commit_token(vocab, exclude)).to(device)
+            follow.prompt = tuple(ids)
+            self._ready[key] = ids, follow
+        ids, follow = self._ready[key]
         self._prompt = self.prompts[index]
-        return ids, self.decode_config(index, base), follow
+        return list(ids), self.decode_config(index, base), follow
 
     # -- decode observer --------------------------------------------------------------------------
 
@@ -373,17 +378,27 @@ class RoutingReplay(DecodeObserver):
         p = self._prompt
         if p is None or self.override is None:
             raise RuntimeError("RoutingReplay: no prompt prepared (use Runtime.replay)")
-        if step >= p.steps:
-            raise ValueError(f"prompt {p.index} has {p.steps} traced forwards; this is {step + 1}")
-        s = p.first_step + step
-        t = self.trace
+        span = self._span(p, step)
+        s, t = p.first_step + step, self.trace
         if (int(t.block[s]), int(t.iteration[s])) != (block, iteration):
             raise ValueError(
                 f"prompt {p.index}, forward {step}: block {block} iteration {iteration}, the "
                 f"trace's is block {t.block[s]} iteration {t.iteration[s]}"
             )
-        a, b = int(t.row_offsets[s]), int(t.row_offsets[s + 1])
-        self._load([(a, b)])
+        self._load([span])
+
+    def _span(self, p: ReplayPrompt, step: int, rows: int | None = None) -> tuple[int, int]:
+        """The trace rows a:b of prompt `p`'s forward `step`; ValueError past its traced
+        forwards, or for a forward of `rows` rows where the trace ran others."""
+        if step >= p.steps:
+            raise ValueError(f"prompt {p.index} has {p.steps} traced forwards; this is {step + 1}")
+        s = p.first_step + step
+        a, b = int(self.trace.row_offsets[s]), int(self.trace.row_offsets[s + 1])
+        if rows is not None and rows != b - a:
+            raise ValueError(
+                f"prompt {p.index}, forward {step} runs {rows} rows, the trace {b - a}"
+            )
+        return a, b
 
     def _load(self, spans: Sequence[tuple[int, int]]) -> None:
         """Send the traced routing of these trace row spans, side by side, to the override's
@@ -407,16 +422,8 @@ class RoutingReplay(DecodeObserver):
             self._loaded.record()
 
     def on_iteration(self, info: IterationInfo) -> None:
-        p = self._prompt
-        if p is None:
-            return
-        s = p.first_step + info.step
-        traced = int(self.trace.row_offsets[s + 1] - self.trace.row_offsets[s])
-        if info.forward_tokens != traced:
-            raise ValueError(
-                f"prompt {p.index}, forward {info.step} ran {info.forward_tokens} rows, the "
-                f"trace {traced}"
-            )
+        if self._prompt is not None:
+            self._span(self._prompt, info.step, info.forward_tokens)
 
     def on_generation_end(self) -> None:
         self._prompt = None
@@ -474,19 +481,7 @@ class BatchReplay(RoutingReplay):
             traced = getattr(part.follow, "traced", None)
             if not isinstance(traced, ReplayPrompt) or self.prompts[traced.index] != traced:
                 raise ValueError("a stream of a batched replay follows no prompt of its trace")
-            if part.step >= traced.steps:
-                raise ValueError(
-                    f"prompt {traced.index} has {traced.steps} traced forwards; this is "
-                    f"{part.step + 1}"
-                )
-            s = traced.first_step + part.step
-            a, b = int(self.trace.row_offsets[s]), int(self.trace.row_offsets[s + 1])
-            if part.rows != b - a:
-                raise ValueError(
-                    f"prompt {traced.index}, forward {part.step} runs {part.rows} rows, the "
-                    f"trace {b - a}"
-                )
-            spans.append((a, b))
+            spans.append(self._span(traced, part.step, part.rows))
         self._load(spans)
 
     def on_iteration(self, info: IterationInfo) -> None:
