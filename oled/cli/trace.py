@@ -123,7 +123,8 @@ def simulate_cmd(
             "--bound",
             help="Also replay the recipe's allocation with Belady's choice inside the planner "
             "(evict the furthest next use, every miss copied): the least any retention misses "
-            "where a layer holds a forward's experts.",
+            "where a layer holds a forward's experts; then the same with each layer's misses "
+            "split so that the link and the CPU finish together (the time both links allow).",
         ),
     ] = False,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key.")] = None,
@@ -150,7 +151,9 @@ def simulate_cmd(
     under compute (the recipe's model, where it is on this machine, must route like the trace).
     With --bound, a row "bound": the recipe's allocation with Belady's choice inside the
     planner, the least misses any retention policy can reach under the planner's rules where a
-    layer holds every expert a forward needs.
+    layer holds every expert a forward needs; and a row "bound, both links": the same choice
+    with each layer's misses split between the link and the CPU so that both finish together,
+    the time the two links allow.
     With `runtime.prefetch` > 0, copies ahead replay (per forward, and how many the next layer
     then needed): `runtime.ahead_from = "router"` from the next-layer prediction the trace
     records (none where it records none: the table's caption says so), "previous" from the
@@ -212,11 +215,16 @@ def simulate_cmd(
             table.add_column(col, no_wrap=True, min_width=max(map(len, runs)))
         else:
             table.add_column(col, justify="right")
-    rows = [(name, run, False) for name, run in runs.items()]
-    rows += [("bound", base, True)] if bound else []
-    for name, run, clairvoyant in rows:
+    rows = [(name, run, False, False) for name, run in runs.items()]
+    rows += [("bound", base, True, False), ("bound, both links", base, True, True)] if bound else []
+    for name, run, clairvoyant, split_misses in rows:
         res, best = simulate_recipe(
-            trace, run, profile=profile, devices=devices, clairvoyant=clairvoyant
+            trace,
+            run,
+            profile=profile,
+            devices=devices,
+            clairvoyant=clairvoyant,
+            split=split_misses,
         )
         requests = sum(res.stats["requests"])
         misses = requests - sum(res.stats["hits"])

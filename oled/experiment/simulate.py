@@ -9,7 +9,7 @@ from pathlib import Path
 from oled.offload.budget import shape_slots
 from oled.policies import with_oled_defaults
 from oled.policies.base import CostModel
-from oled.policies.compensation import TransferOnly
+from oled.policies.compensation import MakespanCompensation, TransferOnly
 from oled.recipe import Recipe
 from oled.recipe.load import routes_unlike
 from oled.trace.format import Trace
@@ -23,6 +23,7 @@ def simulate_recipe(
     profile: str | None = None,
     devices: int | None = None,
     clairvoyant: bool = False,
+    split: bool = False,
 ) -> tuple[SimResult, float]:
     """Replay `trace` through a recipe's policies and budget (the runtime's budget kinds that
     count slots, sized for the traced model's shape; the recipe's stage capacity and copies
@@ -33,7 +34,9 @@ def simulate_recipe(
     (a split's hits never exceed it). A ValueError when the recipe's model (where it is on
     this machine) does not route like the trace. `clairvoyant`: the recipe's allocation with
     Belady's choice inside the planner (ClairvoyantRetention, every miss copied), the bound for
-    its retention; one device only."""
+    its retention; one device only. With `split` too, each layer's misses are split between
+    the link and the CPU so that both finish together (MakespanCompensation): a reference for
+    the time that the two links allow with Belady's choice of what stays."""
     meta = trace.meta
     mismatch = routes_unlike(meta, recipe.model.path)
     if mismatch is not None:
@@ -59,7 +62,8 @@ def simulate_recipe(
         )
     policies = with_oled_defaults(**recipe.policy.build())
     if clairvoyant:
-        policies |= {"retention": ClairvoyantRetention(trace), "compensation": TransferOnly()}
+        compensation = MakespanCompensation() if split else TransferOnly()
+        policies |= {"retention": ClairvoyantRetention(trace), "compensation": compensation}
     result = simulate(
         trace,
         total_slots=slots,

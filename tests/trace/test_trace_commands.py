@@ -74,17 +74,20 @@ def test_simulate_splits_the_experts_over_devices(tmp_path, tiny_dir):
 
 def test_simulate_adds_the_clairvoyant_bound(tmp_path, tiny_dir):
     """`--bound`: a row of the recipe's split with Belady's choice inside the planner, at most
-    the recipe's misses; one device only."""
+    the recipe's misses, and the same with each layer's misses split between the link and the
+    CPU, shorter in the model where the CPU is cheap; one device only."""
     geometry = {"num_layers": 3, "num_experts": 32, "top_k": 4}
     runtime = 'budget = { expert_fraction = 0.5 }\ncost = "cpu-ci"'
     res = _simulate(tmp_path, tiny_dir, runtime, "--bound", **geometry)
     assert res.exit_code == 0, res.output
     rows = {
-        cells[1].strip(): float(cells[2])
+        cells[1].strip(): (float(cells[2]), float(cells[5]), float(cells[7].strip(" %")))
         for line in res.output.splitlines()
         if line.startswith("│") and (cells := line.split("│"))
-    }
-    assert set(rows) == {"recipe", "bound"} and rows["bound"] <= rows["recipe"]
+    }  # name: (misses/it, ms/it, CPU share)
+    assert set(rows) == {"recipe", "bound", "bound, both links"}
+    assert rows["bound"][0] <= rows["recipe"][0] and rows["bound"][2] == 0
+    assert rows["bound, both links"][1] < rows["bound"][1] and rows["bound, both links"][2] > 0
     res = _simulate(tmp_path, tiny_dir, runtime, "--bound", "--devices", "2", **geometry)
     assert res.exit_code == 2 and "the clairvoyant bound is for one device" in res.output
 
