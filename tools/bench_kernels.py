@@ -92,17 +92,34 @@ def stage_rows() -> list[tuple[str, float]]:
     rows: list[tuple[str, float]] = []
     w13 = torch.randn(e, 2 * inter, h, device=dev, dtype=dt) * 0.02
     w2 = torch.randn(e, h, inter, device=dev, dtype=dt) * 0.02
-    for t in (32, 64):
+    expert_gb = (w13[0].numel() + w2[0].numel()) * w13.element_size() / 1e9
+    for t in (32, 64, 256):  # one block of 32 rows; two; 8 streams' blocks side by side
         x = torch.randn(t, h, device=dev, dtype=dt)
         w = torch.rand(t, k, device=dev)
         for distinct in (8, 32, 64, 128, 256):
-            if distinct < k:
+            if distinct < k or (t == 256 and distinct < 128):
                 continue
             ids = routing_with(distinct, t, k, e, gen)
             ms = graph_ms(expert_pairs, x, ids, w, w13, w2)
             rows.append((f"grouped GEMM pair, {t} tokens, {distinct} distinct of 256", ms))
+            if distinct == 256:  # the weights it must read, against its time
+                rows.append(
+                    (
+                        f"  its expert weights read, GB/s ({t} tokens)",
+                        distinct * expert_gb / ms * 1e3,
+                    )
+                )
         pairs = torch.randn(t, k, h, device=dev)
         rows.append((f"combine, {t} tokens", graph_ms(combine, pairs, dt)))
+
+    big = torch.ones(2**30, device=dev, dtype=dt)  # 2 GiB
+    rows.append(
+        (
+            "HBM read, GB/s (a sum over 2 GiB)",
+            big.nbytes / graph_ms(torch.sum, big, replays=20) / 1e6,
+        )
+    )
+    del big
 
     router = Router(cfg).to(dev)
     router.weight.data.normal_(0, 0.02)

@@ -43,10 +43,10 @@ def _h200() -> CostModel:
     # DESIGN.md section 5: pinned copy ~0.13 ms per 6 MiB expert (46-53 GB/s);
     # grouped GEMM 0.11/0.13/0.20/0.30/0.38 ms at 8/32/64/128/256 distinct experts;
     # routing + one host sync per MoE layer: 8.8 ms / 19 layers.
-    # A CPU expert alone takes 0.19-0.32 ms (1-64 tokens), but as the engine runs it (activations
-    # to host, the hand-off, the result back while the GPU waits) the calibration on an H200
-    # machine measured 1.20 ms + 0.0014 ms per token (docs/bench/*-h200-calibrated-cost.json).
-    cpu_fixed, cpu_tok = 1.20, 0.0014
+    # CPU experts through the C kernel (oled/native), as the engine calibrated them on an H200
+    # machine (docs/bench/run37-h200-costs.json): 0.072 ms + 0.007 ms per token an expert, and
+    # 0.248 ms a layer's call (the activations to the host, the hand-off, the result back).
+    cpu_fixed, cpu_tok = 0.072, 0.007
     gpu_fixed, gpu_exp = _fit_line([8, 32, 64, 128, 256], [0.11, 0.13, 0.20, 0.30, 0.38])
     return CostModel(
         copy_ms_per_expert=0.125,
@@ -57,6 +57,7 @@ def _h200() -> CostModel:
         gpu_ms_per_expert=gpu_exp,
         expert_bytes=6 * _MIB,
         layer_ms=0.46,
+        cpu_call_ms=0.248,
     )
 
 
