@@ -35,9 +35,10 @@ def profile_figures(
     replay: Replay | None = None,
     batch: Batch | None = None,
     batch_trace: RoutingTrace | None = None,
-) -> dict[str, dict[str, float]]:
-    """A row's profile: on CUDA the device ms per stage (`stages_ms_per_iteration`) and of the
-    kernels outside every stage (`unstaged_kernels_ms_per_iteration`), and everywhere the host
+) -> dict[str, Any]:
+    """A row's profile: on CUDA the device ms per stage (`stages_ms_per_iteration`), of the
+    kernels that take the most in each stage (`stage_kernels_ms_per_iteration`) and outside
+    every stage (`unstaged_kernels_ms_per_iteration`), and everywhere the host
     ms per stage and per iteration (`host_ms_per_iteration`), of one more generation run as
     `stage_breakdown` and `host_breakdown` say."""
     where: dict[str, Any] = {
@@ -46,11 +47,12 @@ def profile_figures(
         "batch": batch,
         "batch_trace": batch_trace,
     }
-    out = {}
+    out: dict[str, Any] = {}
     if rt.device.type == "cuda":
-        stages, unstaged = stage_breakdown(rt, prompt, decode, **where)
+        stages, kernels = stage_breakdown(rt, prompt, decode, **where)
         out["stages_ms_per_iteration"] = stages
-        out["unstaged_kernels_ms_per_iteration"] = unstaged
+        out["stage_kernels_ms_per_iteration"] = kernels
+        out["unstaged_kernels_ms_per_iteration"] = kernels.get("other", {})
     out["host_ms_per_iteration"] = host_breakdown(rt, prompt, decode, **where)
     return out
 
@@ -64,13 +66,13 @@ def stage_breakdown(
     replay: Replay | None = None,
     batch: Batch | None = None,
     batch_trace: RoutingTrace | None = None,
-) -> tuple[dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
     iterations (after the prompt's) of one extra eager generation under the profiler: every
     kernel and copy counts for the innermost stage that launched it. The graphs replay the same
     kernels, so these are their times too. CPU experts count the host's milliseconds (engine
-    metrics), not device time. Second: the kernels and copies outside every stage ('other'),
-    milliseconds per iteration by name, the `UNSTAGED` that take the most."""
+    metrics), not device time. Second: per stage ('other' outside every stage) the kernels and
+    copies that take the most, milliseconds per iteration by name (`TOP_KERNELS` of each)."""
     from oled.model.graphs import EagerForward
 
     graphed, rt.forward = rt.forward, EagerForward(rt.model)
@@ -88,13 +90,17 @@ def stage_breakdown(
         )
     finally:
         rt.forward = graphed
-    totals, unstaged = _stage_device_us(window.profiler.events())
+    totals, kernels = _stage_device_us(window.profiler.events())
     out = {name: us / 1000 / window.seen for name, us in totals.items()}
     figures = off["decode"] if off is not None else {}
     if figures.get("cpu_ms"):
         out["CPU experts"] = figures["cpu_ms"] / max(1, figures["iterations"])
-    largest = sorted(unstaged.items(), key=lambda kv: kv[1], reverse=True)[:UNSTAGED]
-    return out, {name: us / 1000 / window.seen for name, us in largest}
+    top = {
+        stage: sorted(named.items(), key=lambda kv: kv[1], reverse=True)[:TOP_KERNELS]
+        for stage, named in kernels.items()
+    }
+    per_it = {stage: {name: us / 1000 / window.seen for name, us in top[stage]} for stage in top}
+    return out, per_it
 
 
 def host_breakdown(
@@ -206,14 +212,14 @@ class _ProfileWindow(DecodeObserver):
             self.running = False
 
 
-UNSTAGED = 8  # kernels outside every stage reported by name
+TOP_KERNELS = 8  # kernels of each stage reported by name
 
 
 def _stage_device_us(
     events: Sequence[FunctionEvent],
-) -> tuple[dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """Microseconds of kernels and copies per innermost enclosing stage ('other' outside), and
-    of those outside by name.
+    per stage by kernel name.
 
     Each device event is found through its host API call (cudaLaunchKernel, cuLaunchKernelEx,
     cudaMemcpyAsync, ...: the same correlation id), whose place in the host call tree names the
@@ -221,7 +227,7 @@ def _stage_device_us(
     call the profiler did not record counts for the torch op it is linked to, if any.
     """
     totals: dict[str, float] = {}
-    unstaged: dict[str, float] = {}
+    kernels: dict[str, dict[str, float]] = {}
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     calls = {e.id: e for e in events if e.device_type == cpu and _is_api_call(e.name)}
     ops = {e.id: e for e in events if e.device_type == cpu and not _is_api_call(e.name)}
@@ -233,9 +239,9 @@ def _stage_device_us(
             call = ops.get(getattr(event, "linked_correlation_id", 0) or -1)
         stage, us = _stage_of(call), event.time_range.elapsed_us()
         totals[stage] = totals.get(stage, 0.0) + us
-        if stage == "other":
-            unstaged[event.name] = unstaged.get(event.name, 0.0) + us
-    return totals, unstaged
+        named = kernels.setdefault(stage, {})
+        named[event.name] = named.get(event.name, 0.0) + us
+    return totals, kernels
 
 
 def _device_work(event: FunctionEvent) -> bool:

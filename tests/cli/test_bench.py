@@ -331,7 +331,7 @@ def test_stage_times_go_to_the_innermost_stage():
         device(10, 99.0, kind="gpu_user_annotation", name="routing"),
         device(11, 50.0, kind="cuda_sync", name="Stream Sync"),
     ]
-    stages, unstaged = _stage_device_us(flat + kernels)
+    stages, named = _stage_device_us(flat + kernels)
     assert stages == {
         "attention": 5.0,
         "copies": 7.0,
@@ -339,7 +339,8 @@ def test_stage_times_go_to_the_innermost_stage():
         "grouped GEMM": 30.0,
         "other": 4.5,
     }
-    assert unstaged == {"k4": 4.0, "k8": 0.5}  # 'other' by kernel name
+    assert named["other"] == {"k4": 4.0, "k8": 0.5}  # each stage's by kernel name
+    assert named["attention"] == {"kernel": 5.0} and set(named) == set(stages)
 
 
 def test_bench_eager_flag(tiny_dir):
