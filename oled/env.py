@@ -10,8 +10,12 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from oled.threads import wait_policy
+
+if TYPE_CHECKING:
+    from oled.policies.base import CostModel
 
 PACKAGES = (
     "oled-moe",
@@ -239,10 +243,20 @@ def calibration_rows(report: Report) -> None:
             f"{c.measured}, {k['device']}, experts {k['expert shape']} {k['dtype']}, "
             f"{k['threads']} threads: copy {cost.copy_ms_per_expert:.3g} ms/expert"
             f"{rate(k, cost.copy_ms_per_expert)}, CPU expert {cost.cpu_fixed_ms:.3g} + "
-            f"{cost.cpu_ms_per_token:.3g} ms/token{rate(k, cost.cpu_ms(1))} at 1 token "
-            f"+ {cost.cpu_call_ms:.3g} ms a layer, GPU "
+            f"{cost.cpu_ms_per_token:.3g} ms/token{rate(k, cost.cpu_ms(1))} at 1 token"
+            f"{many_line(cost)} + {cost.cpu_call_ms:.3g} ms a layer, GPU "
             f"{cost.gpu_fixed_ms:.3g} + {cost.gpu_ms_per_expert:.3g} ms/expert ({how})",
         )
+
+
+def many_line(cost: CostModel) -> str:
+    """ ", above N tokens F + T ms/token" where the calibration measured that line."""
+    if cost.cpu_many_ms_per_token <= 0:
+        return ""
+    return (
+        f", above {cost.cpu_few_tokens} tokens {cost.cpu_many_fixed_ms:.3g} + "
+        f"{cost.cpu_many_ms_per_token:.3g} ms/token"
+    )
 
 
 def rate(parts: dict[str, str], ms: float) -> str:

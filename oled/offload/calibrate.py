@@ -40,7 +40,7 @@ from oled.policies.base import CostModel
 from oled.threads import contended, loadavg, others_busy, read_sample, visible_cpus
 
 _PATHS = "rows-6"  # the engine's copy and CPU-expert paths: a new one measures again
-_METHOD = "rounds-2"  # how the figures are measured and checked: a new method measures again
+_METHOD = "rounds-3"  # how the figures are measured and checked: a new method measures again
 
 ROUNDS = 5  # interleaved rounds, each timing every figure once
 REPEATS = 3  # calls per timing in a round; the fastest counts
@@ -63,6 +63,7 @@ MAX_FIXED_MS = 10.0  # a fixed cost (launches, a hand-off, a sync) is about 0.1 
 MAX_EXPERT_MS = 1000.0  # one expert's compute, on the CPU or the device, takes less than 1 s
 MIN_TOKEN_MS = 1e-6  # a token's share of an expert is never free (a nanosecond)
 MAX_TOKEN_MS = 100.0
+MANY_LINE = ("cpu_many_fixed_ms", "cpu_many_ms_per_token")  # experts above cpu.MAX_TOKENS
 
 
 class CalibrationWarning(UserWarning):
@@ -111,6 +112,10 @@ def bounds(expert_bytes: int) -> dict[str, Bound]:
             ),
             Bound("cpu_ms_per_token", MIN_TOKEN_MS, MAX_TOKEN_MS, "a token's share of an expert"),
             Bound("cpu_call_ms", 0.0, MAX_FIXED_MS, fixed),
+            Bound("cpu_many_fixed_ms", 0.0, MAX_EXPERT_MS, "one expert's compute"),
+            Bound(
+                "cpu_many_ms_per_token", MIN_TOKEN_MS, MAX_TOKEN_MS, "a token's share of an expert"
+            ),
             Bound("gpu_fixed_ms", 0.0, MAX_FIXED_MS, fixed),
             Bound(
                 "gpu_ms_per_expert",
@@ -123,8 +128,12 @@ def bounds(expert_bytes: int) -> dict[str, Bound]:
 
 
 def violation(cost: CostModel) -> str | None:
-    """The first figure of `cost` outside its bound, as one line; None when all are inside."""
+    """The first figure of `cost` outside its bound, as one line; None when all are inside
+    (a many-token line of per-token cost 0 is not measured: the few-token line holds)."""
+    unset = () if cost.cpu_many_ms_per_token > 0 else MANY_LINE
     for name, bound in bounds(cost.expert_bytes).items():
+        if name in unset:
+            continue
         line = bound.violation(getattr(cost, name))
         if line is not None:
             return line
@@ -418,7 +427,7 @@ def measure_rounds(
         if guard is None:
             first = next(line for v in values if (line := limits[name].violation(v)) is not None)
             guard = f"{len(inside)} of {rounds} rounds inside the bounds: {first}"
-    cost = CostModel(**figures, expert_bytes=store.expert_bytes)
+    cost = CostModel(**figures, expert_bytes=store.expert_bytes, cpu_few_tokens=cpu.MAX_TOKENS)
     return cost, {k: [round(v, 6) for v in vs] for k, vs in per_round.items()}, guard
 
 
@@ -561,6 +570,8 @@ class _Probes:
             "cpu 1x1": self.cpu_layer(1, 1),
             "cpu 4x1": self.cpu_layer(4, 1),
             "cpu 4x8": self.cpu_layer(4, 8),
+            "cpu 4x16": self.cpu_layer(4, 16),  # above cpu.MAX_TOKENS: torch's products
+            "cpu 4x32": self.cpu_layer(4, 32),
         }
         for k in self.gpu_counts():
             out[f"gpu {k}"] = self.device_experts(table13, table2, k)
@@ -577,6 +588,9 @@ class _Probes:
         per_token = max((ms["cpu 4x8"] - ms["cpu 4x1"]) / m / 7, MIN_TOKEN_MS)
         cpu_one = (ms["cpu 4x1"] - ms["cpu 1x1"]) / (m - 1) if m > 1 else ms["cpu 1x1"]
         call = max(ms["cpu 1x1"] - cpu_one, 0.0)  # what a call costs beside its experts
+        # a prompt's or a batch's experts of more tokens than the C kernel takes: their own line
+        many_per = max((ms["cpu 4x32"] - ms["cpu 4x16"]) / m / 16, MIN_TOKEN_MS)
+        many_fixed = max((ms["cpu 4x16"] - call) / m - 16 * many_per, 0.0)
         counts = self.gpu_counts()
         gpu_fixed, gpu_per = _line(counts, [ms[f"gpu {k}"] for k in counts])
         return {  # a fixed cost a little below 0 is the fit's noise around a small one
@@ -585,6 +599,8 @@ class _Probes:
             "cpu_fixed_ms": cpu_one - per_token,
             "cpu_call_ms": call,
             "cpu_ms_per_token": per_token,
+            "cpu_many_fixed_ms": many_fixed,
+            "cpu_many_ms_per_token": many_per,
             "gpu_fixed_ms": max(gpu_fixed, 0.0),
             "gpu_ms_per_expert": gpu_per,
         }

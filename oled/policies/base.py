@@ -58,6 +58,11 @@ def _h200() -> CostModel:
         expert_bytes=6 * _MIB,
         layer_ms=0.46,
         cpu_call_ms=0.248,
+        # experts of more than 8 tokens run through torch's products: 0.277 and 0.310 ms at 4 and
+        # 8 tokens on a 16-core H100 host (run 27: 22.7 and 20.3 GB/s), the line through them;
+        # not calibrated above 8 tokens
+        cpu_many_fixed_ms=0.244,
+        cpu_many_ms_per_token=0.0083,
     )
 
 
@@ -94,6 +99,12 @@ class CostModel:
     # NCCL between GPUs of one host (about 20 us, about 100 GB/s of bus bandwidth), not measured
     allreduce_fixed_ms: float = 0.02
     allreduce_ms_per_mb: float = 0.01
+    # CPU experts of more than `cpu_few_tokens` tokens, which the engine computes through torch's
+    # products instead of the C kernel: a line of their own (a per-token cost of 0: the line
+    # above holds for every count, as in a stored calibration without it)
+    cpu_many_fixed_ms: float = 0.0
+    cpu_many_ms_per_token: float = 0.0
+    cpu_few_tokens: int = 8
 
     @overload
     def copy_ms(self, n_experts: int) -> float: ...
@@ -114,9 +125,14 @@ class CostModel:
     @overload
     def cpu_ms(self, n_tokens: np.ndarray) -> float | np.ndarray: ...
     def cpu_ms(self, n_tokens: int | np.ndarray) -> float | np.ndarray:
-        """Time to run ONE expert on the CPU over n tokens (elementwise for arrays)."""
+        """Time to run ONE expert on the CPU over n tokens (elementwise for arrays): above
+        `cpu_few_tokens` on the many-token line where it is measured."""
         n = np.asarray(n_tokens, dtype=np.float64)
-        out = np.where(n > 0, self.cpu_fixed_ms + self.cpu_ms_per_token * n, 0.0)
+        ms = self.cpu_fixed_ms + self.cpu_ms_per_token * n
+        if self.cpu_many_ms_per_token > 0:
+            many = self.cpu_many_fixed_ms + self.cpu_many_ms_per_token * n
+            ms = np.where(n > self.cpu_few_tokens, many, ms)
+        out = np.where(n > 0, ms, 0.0)
         return float(out) if out.ndim == 0 else out
 
     def cpu_layer_ms(self, n_tokens: np.ndarray) -> float:

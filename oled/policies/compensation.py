@@ -116,7 +116,7 @@ class CooperativeCompensation(CompensationPolicy):
         cost: CostModel,
     ) -> np.ndarray:
         """Greedy prefix split over the ranked misses."""
-        cpu_cost = self.slowdown * (cost.cpu_fixed_ms + cost.cpu_ms_per_token * tokens)
+        cpu_cost = self.slowdown * np.asarray(cost.cpu_ms(tokens))  # misses have tokens > 0
         if self.future_weight * self.horizon >= 0 and copying_all_is_best(cpu_cost, load, cost):
             return np.ones(len(experts), bool)  # reuse >= 0, so the future cost is too
         miss_again = np.minimum(cpu_cost, cost.copy_ms_per_expert)
@@ -145,7 +145,7 @@ class MakespanCompensation(CompensationPolicy):
         cost: CostModel,
     ) -> np.ndarray:
         """Minimise max(copy finish, CPU finish)."""
-        cpu_cost = cost.cpu_fixed_ms + cost.cpu_ms_per_token * tokens  # misses have tokens > 0
+        cpu_cost = np.asarray(cost.cpu_ms(tokens))  # misses have tokens > 0
         if copying_all_is_best(cpu_cost, load, cost):
             return np.ones(len(experts), bool)
         order = (-cpu_cost).argsort(kind="stable")

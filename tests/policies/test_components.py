@@ -297,12 +297,39 @@ def test_allocations_fit_budget(layers, experts, extra, ws, reuse) -> None:
         assert sum(caps) == min(total, layers * experts)  # no slot wasted
 
 
+def test_experts_of_many_tokens_are_priced_on_their_own_line() -> None:
+    """Above `cpu_few_tokens` (torch's products, not the C kernel) a measured line of its own
+    prices a CPU expert, and the splits send fewer of those experts to the CPU; without one the
+    few-token line holds for every count."""
+    few = replace(CostModel.profile("h200"), cpu_many_ms_per_token=0.0)
+    many = replace(few, cpu_many_fixed_ms=0.1, cpu_many_ms_per_token=0.02)
+    counts = np.array([1, 8, 9, 32])
+    assert np.allclose(few.cpu_ms(counts), few.cpu_fixed_ms + few.cpu_ms_per_token * counts)
+    assert np.allclose(many.cpu_ms(counts)[:2], few.cpu_ms(counts)[:2])
+    assert np.allclose(many.cpu_ms(counts)[2:], [0.1 + 0.02 * 9, 0.1 + 0.02 * 32])
+    tokens = np.array([32] * 6 + [2] * 6)  # a prompt's experts beside a decode's
+    for comp in (MakespanCompensation(), CooperativeCompensation()):
+        on_cpu = [
+            ~comp.decide(
+                layer=0,
+                experts=np.arange(12),
+                tokens=tokens,
+                reuse=np.zeros(12),
+                load=Load(copy_queue_ms=0.5),
+                cost=cost,
+            )
+            for cost in (few, many)
+        ]
+        assert on_cpu[0][:6].sum() == 1 and on_cpu[1][:6].sum() == 0  # the 32-token experts
+
+
 def test_cost_profiles() -> None:
     c = CostModel.profile("h200")
     assert 0.1 < c.copy_ms(1) < 0.2
     assert c.cpu_ms(1) < c.cpu_ms(64) and c.gpu_ms(8) < c.gpu_ms(256)
     # the C kernel's CPU path as the engine calibrated it on an H200 machine (run 37)
-    assert abs(c.cpu_ms(32) - 0.296) < 0.01 and abs(c.gpu_ms(128) - 0.30) < 0.05
+    assert abs(c.cpu_ms(8) - 0.128) < 0.01 and abs(c.gpu_ms(128) - 0.30) < 0.05
+    assert abs(c.cpu_ms(32) - 0.51) < 0.01  # torch's products above 8 tokens
     assert c.cpu_call_ms == pytest.approx(0.248)
     assert CostModel.from_json(c.to_json()) == c
     assert CostModel.profile("cpu-ci").copy_ms(0) == 0.0

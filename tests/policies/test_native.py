@@ -56,7 +56,12 @@ def planner(ret: str, comp: str, setup: tuple, *, compiled: bool) -> Planner:
         K,
         slots,
         stage_capacity=stage,
-        cost=dataclasses.replace(CostModel.profile("h200"), cpu_call_ms=0.3),  # every cost term
+        cost=dataclasses.replace(  # every cost term, a line for experts of many tokens too
+            CostModel.profile("h200"),
+            cpu_call_ms=0.3,
+            cpu_many_fixed_ms=0.2,
+            cpu_many_ms_per_token=0.02,
+        ),
         allocation=alloc,
         retention=RETENTIONS[ret](),
         compensation=COMPENSATIONS[comp](),
