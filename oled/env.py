@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -251,10 +252,10 @@ def calibration_rows(report: Report) -> None:
 
 def many_line(cost: CostModel) -> str:
     """ ", above N tokens F + T ms/token" where the calibration measured that line."""
-    if cost.cpu_many_ms_per_token <= 0:
+    if math.isinf(cost.many_from):
         return ""
     return (
-        f", above {cost.cpu_few_tokens} tokens {cost.cpu_many_fixed_ms:.3g} + "
+        f", above {cost.many_from} tokens {cost.cpu_many_fixed_ms:.3g} + "
         f"{cost.cpu_many_ms_per_token:.3g} ms/token"
     )
 

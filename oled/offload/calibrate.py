@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import platform
 import re
 import statistics
@@ -130,7 +131,7 @@ def bounds(expert_bytes: int) -> dict[str, Bound]:
 def violation(cost: CostModel) -> str | None:
     """The first figure of `cost` outside its bound, as one line; None when all are inside
     (a many-token line of per-token cost 0 is not measured: the few-token line holds)."""
-    unset = () if cost.cpu_many_ms_per_token > 0 else MANY_LINE
+    unset = MANY_LINE if math.isinf(cost.many_from) else ()
     for name, bound in bounds(cost.expert_bytes).items():
         if name in unset:
             continue

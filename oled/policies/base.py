@@ -7,6 +7,7 @@ They never touch tensors on a device, so the engine and the simulator share the 
 from __future__ import annotations
 
 import json
+import math
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import ClassVar, overload
@@ -100,11 +101,17 @@ class CostModel:
     allreduce_fixed_ms: float = 0.02
     allreduce_ms_per_mb: float = 0.01
     # CPU experts of more than `cpu_few_tokens` tokens, which the engine computes through torch's
-    # products instead of the C kernel: a line of their own (a per-token cost of 0: the line
-    # above holds for every count, as in a stored calibration without it)
+    # products instead of the C kernel: a line of their own from `many_from` on
     cpu_many_fixed_ms: float = 0.0
     cpu_many_ms_per_token: float = 0.0
     cpu_few_tokens: int = 8
+
+    @property
+    def many_from(self) -> float:
+        """Tokens above which the many-token line prices a CPU expert: `cpu_few_tokens` where
+        that line is measured (a per-token cost above 0), else never (inf: the first line holds
+        for every count, as in a calibration stored without it)."""
+        return self.cpu_few_tokens if self.cpu_many_ms_per_token > 0 else math.inf
 
     @overload
     def copy_ms(self, n_experts: int) -> float: ...
@@ -125,14 +132,12 @@ class CostModel:
     @overload
     def cpu_ms(self, n_tokens: np.ndarray) -> float | np.ndarray: ...
     def cpu_ms(self, n_tokens: int | np.ndarray) -> float | np.ndarray:
-        """Time to run ONE expert on the CPU over n tokens (elementwise for arrays): above
-        `cpu_few_tokens` on the many-token line where it is measured."""
+        """Time to run ONE expert on the CPU over n tokens (elementwise for arrays), on the
+        many-token line above `many_from`."""
         n = np.asarray(n_tokens, dtype=np.float64)
-        ms = self.cpu_fixed_ms + self.cpu_ms_per_token * n
-        if self.cpu_many_ms_per_token > 0:
-            many = self.cpu_many_fixed_ms + self.cpu_many_ms_per_token * n
-            ms = np.where(n > self.cpu_few_tokens, many, ms)
-        out = np.where(n > 0, ms, 0.0)
+        few = self.cpu_fixed_ms + self.cpu_ms_per_token * n
+        many = self.cpu_many_fixed_ms + self.cpu_many_ms_per_token * n
+        out = np.where(n > 0, np.where(n > self.many_from, many, few), 0.0)
         return float(out) if out.ndim == 0 else out
 
     def cpu_layer_ms(self, n_tokens: np.ndarray) -> float:

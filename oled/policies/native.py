@@ -138,7 +138,7 @@ class CompiledPlan:
         b.cpu_fixed, b.cpu_tok = cost.cpu_fixed_ms, cost.cpu_ms_per_token
         b.cpu_call = cost.cpu_call_ms
         b.cpu_many_fixed, b.cpu_many_tok = cost.cpu_many_fixed_ms, cost.cpu_many_ms_per_token
-        b.cpu_few = cost.cpu_few_tokens
+        b.cpu_few = cost.many_from  # inf: one line for every count
         self._routing(64 * p.top_k)
         self.ref = ctypes.byref(b)
         self.lru = p.retention if isinstance(p.retention, R.LRURetention) else None

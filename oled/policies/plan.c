@@ -250,8 +250,8 @@ static void decide(const Layer *L, const int64_t *rest, int64_t n, const double 
     int64_t *order = region(b->scratch, L->E, S_ORDER);
     for (int64_t i = 0; i < n; i++) {
         double t = (double)L->counts[rest[i]];  /* CostModel.cpu_ms */
-        double c = b->cpu_many_tok > 0 && t > b->cpu_few ? b->cpu_many_fixed + b->cpu_many_tok * t
-                                                          : b->cpu_fixed + b->cpu_tok * t;
+        double c = t > b->cpu_few ? b->cpu_many_fixed + b->cpu_many_tok * t
+                                  : b->cpu_fixed + b->cpu_tok * t;
         cpu_cost[i] = kind == COMP_COOPERATIVE ? slowdown * c : c;
     }
     double future_weight = b->cooperative.future_weight * b->cooperative.horizon;

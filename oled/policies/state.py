@@ -186,7 +186,7 @@ def plan_part(retention: Sequence[Any], compensation: Sequence[Any]) -> tuple[St
             *Field.many(
                 "double",
                 "copy_per copy_fixed cpu_fixed cpu_tok cpu_call cpu_many_fixed cpu_many_tok cpu_few",
-                "the cost model (ms; cpu_few in tokens)",
+                "the cost model (ms; cpu_few: CostModel.many_from, in tokens)",
             ),
             Field("scratch", "int64_t *", "(N_SCRATCH + N_OUT) x (E + 1)"),
             Field("ids", "int64_t *", "[routing_cap] this forward's routing, flat"),
