@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oled import kernels  # noqa: E402
 from oled.model.config import mini_config  # noqa: E402
 from oled.model.experts import combine, expert_pairs  # noqa: E402
-from oled.model.layers import Attention, RMSNorm, Rotary, Router  # noqa: E402
+from oled.model.layers import Attention, BlockCausal, RMSNorm, Rotary, Router  # noqa: E402
+from oled.model.model import BatchRows  # noqa: E402
 from oled.offload import copies  # noqa: E402
 from oled.offload.copies import Rows  # noqa: E402
 
@@ -136,7 +137,30 @@ def stage_rows() -> list[tuple[str, float]]:
         cos, sin = rotary.cos_sin(torch.arange(prefix, prefix + 32, device=dev), dt)
         ms = graph_ms(attn, xa, rotary, cos, sin, (kbuf, vbuf), prefix, None)
         rows.append((f"attention layer, 32 tokens over prefix {prefix}", ms))
+    for streams in (8, 16):
+        ms = graph_ms(*batched_attention(attn, rotary, streams, 512))
+        rows.append((f"attention layer, {streams} streams' blocks over prefix 512 each", ms))
     return rows
+
+
+def batched_attention(attn: Attention, rotary: Rotary, streams: int, prefix: int) -> tuple:
+    """A batched forward's attention call (oled.model.model.BatchRows): `streams` decode blocks
+    of 32 rows side by side, each over its own KV slot's `prefix` keys; (fn, *args) to time."""
+    cfg, dev, dt = mini_config(), torch.device("cuda"), torch.bfloat16
+    shape = (streams, cfg.num_key_value_heads, 1024, cfg.head_dim)  # a batch cache's slots
+    kbuf = torch.randn(shape, device=dev, dtype=dt)
+    vbuf = torch.randn_like(kbuf)
+    rows = BatchRows.build(
+        list(range(streams)),
+        [prefix] * streams,
+        [32] * streams,
+        [0] * streams,
+        keys=prefix + 32,
+        device=dev,
+    )
+    x = torch.randn(1, 32 * streams, cfg.hidden_size, device=dev, dtype=dt)  # [1, T, H]
+    cos, sin = rotary.cos_sin(rows.positions, dt)
+    return attn, x, rotary, cos, sin, (kbuf, vbuf), rows, BlockCausal(rows, 32)
 
 
 def copy_rows() -> list[tuple[str, float]]:

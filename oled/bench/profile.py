@@ -70,12 +70,13 @@ def stage_breakdown(
     """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
     iterations (after the prompt's) of one extra eager generation under the profiler: every
     kernel and copy counts for the innermost stage that launched it. The graphs replay the same
-    kernels, so these are their times too. CPU experts count the host's milliseconds (engine
+    kernels (a batch's rows laid out as they lay them out), so these are their times too. CPU experts count the host's milliseconds (engine
     metrics), not device time. Second: per stage ('other' outside every stage) the kernels and
     copies that take the most, milliseconds per iteration by name (`TOP_KERNELS` of each)."""
     from oled.model.graphs import EagerForward
 
-    graphed, rt.forward = rt.forward, EagerForward(rt.model)
+    graphed = rt.forward  # eager, with the graphed forward's layout of a batch's rows
+    rt.forward = EagerForward(rt.model, exact_batches=graphed.exact_batches)
     try:
         window, off = _profiled(
             rt,
@@ -117,24 +118,27 @@ def host_breakdown(
     `host decision`) and of each CUDA API call (cudaGraphLaunch, cudaMemcpyAsync, ...), and
     the iteration's wall time ("iteration"), from a few iterations of one more generation run
     as the runtime runs it (graphs kept) under a CPU-only profiler: where the host path spends
-    its time."""
-    window, _ = _profiled(
-        rt,
-        prompt,
-        decode,
-        iterations,
-        follow,
-        device=False,
-        replay=replay,
-        batch=batch,
-        batch_trace=batch_trace,
-    )
+    its time. On CUDA also the time the device is busy in an iteration ("device busy": the
+    union of its kernels and copies, graphs' included), from one more such generation with the
+    device traced (which slows the host, so apart): iteration minus it is what the device
+    waits for the host."""
+    where: dict[str, Any] = {"replay": replay, "batch": batch, "batch_trace": batch_trace}
+    window, _ = _profiled(rt, prompt, decode, iterations, follow, device=False, **where)
     totals: dict[str, float] = {}
     for e in window.profiler.events():
         if e.name in STAGES or _is_api_call(e.name):
             totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us()
     totals["iteration"] = 1e6 * window.seconds
-    return {name: us / 1000 / max(1, window.seen) for name, us in totals.items()}
+    out = {name: us / 1000 / max(1, window.seen) for name, us in totals.items()}
+    if rt.device.type == "cuda":
+        traced, _ = _profiled(rt, prompt, decode, iterations, follow, device=True, **where)
+        busy = [
+            (e.time_range.start, e.time_range.end)
+            for e in traced.profiler.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and _device_work(e)
+        ]
+        out["device busy"] = union_us(busy) / 1000 / max(1, traced.seen)
+    return out
 
 
 def _profiled(
@@ -242,6 +246,16 @@ def _stage_device_us(
         named = kernels.setdefault(stage, {})
         named[event.name] = named.get(event.name, 0.0) + us
     return totals, kernels
+
+
+def union_us(spans: list[tuple[float, float]]) -> float:
+    """The length covered by (start, end) spans, overlaps counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _device_work(event: FunctionEvent) -> bool:

@@ -340,7 +340,7 @@ class BatchDecoder:
             skips,
             keys=self._keys(max(s.cached + n for s, n in zip(streams, lengths, strict=True))),
             device=self.device,
-            exact=not self.forward.graphed,
+            exact=self.forward.exact_batches,
         )
         dec = [s for s, n, k in zip(streams, lengths, skips, strict=True) if n > k]
         cfgs = [s.cfg for s in dec]

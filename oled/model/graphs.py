@@ -128,12 +128,19 @@ class _Captured:
 
 
 class EagerForward:
-    """The plain forward: a fresh KV cache per generation, the model's own executor."""
+    """The plain forward: a fresh KV cache per generation, the model's own executor.
+
+    `exact_batches`: a batched forward attends per sequence over exactly its own keys
+    (BatchRows.spans), as the torch path needs for a batch to round as single requests do;
+    False lays the rows out as the graphed forward does (padded query blocks), so a profile
+    sees the graphs' kernels.
+    """
 
     graphed = False
 
-    def __init__(self, model: LLaDA2Model) -> None:
+    def __init__(self, model: LLaDA2Model, *, exact_batches: bool = True) -> None:
         self.model = model
+        self.exact_batches = exact_batches
 
     def new_cache(self, total: int, device: Device) -> KVCache:
         return self._kv(1, total, device)
@@ -183,7 +190,7 @@ class GraphedForward(EagerForward):
     def __init__(
         self, model: LLaDA2Model, executor: ExpertExecutor, *, max_keys: int = 256
     ) -> None:
-        super().__init__(model)
+        super().__init__(model, exact_batches=False)
         self.whole = executor.graph_safe
         # asked for pieces only when not graph-safe, which then makes it a PiecewiseExecutor
         self.executor = cast(PiecewiseExecutor, executor)

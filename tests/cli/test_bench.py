@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from oled import bench
-from oled.bench.profile import _stage_device_us
+from oled.bench.profile import _stage_device_us, union_us
 from oled.cli import app
 from oled.decoding.decoder import GenerationStats
 from oled.offload.metrics import EngineMetrics
@@ -341,6 +341,12 @@ def test_stage_times_go_to_the_innermost_stage():
     }
     assert named["other"] == {"k4": 4.0, "k8": 0.5}  # each stage's by kernel name
     assert named["attention"] == {"kernel": 5.0} and set(named) == set(stages)
+
+
+def test_device_busy_counts_overlapping_work_once():
+    assert union_us([]) == 0.0
+    spans = [(10.0, 20.0), (0.0, 4.0), (15.0, 25.0), (30.0, 31.0), (16.0, 18.0)]
+    assert union_us(spans) == 4.0 + 15.0 + 1.0  # 0-4, 10-25, 30-31
 
 
 def test_bench_eager_flag(tiny_dir):

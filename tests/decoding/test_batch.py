@@ -316,3 +316,23 @@ def test_steady_forwards_reuse_their_layout(resident):
         layouts.append(dec._layout)
     laid_out = len({id(lay) for lay in layouts if lay is not None})
     assert dec.forwards > 4 * laid_out  # 2 streams x 2-3 blocks, ~64 forwards
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_forward_lays_a_batch_out_as_it_says(resident, exact):
+    """EagerForward(exact_batches=False) lays a batch's rows out as the graphed forward does
+    (padded query blocks, what `--profile` times on CUDA); the default attends per sequence."""
+    from oled.model.graphs import EagerForward
+
+    rt = resident
+    dec = BatchDecoder(
+        rt.model,
+        mask_id=rt.tokenizer.mask_id,
+        forward=EagerForward(rt.model, exact_batches=exact),
+        max_batch=2,
+    )
+    for p in PROMPTS[:2]:
+        dec.add(rt.tokenizer.encode(p), DecodeConfig(max_new_tokens=8))
+    dec.step()
+    assert dec._layout is not None
+    assert (dec._layout.rows.spans is not None) == exact
