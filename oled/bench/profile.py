@@ -70,13 +70,13 @@ def stage_breakdown(
     """Device milliseconds per iteration of each forward stage (oled.model.stages), from a few
     iterations (after the prompt's) of one extra eager generation under the profiler: every
     kernel and copy counts for the innermost stage that launched it. The graphs replay the same
-    kernels (a batch's rows laid out as they lay them out), so these are their times too. CPU experts count the host's milliseconds (engine
-    metrics), not device time. Second: per stage ('other' outside every stage) the kernels and
+    kernels (a batch's rows laid out as they lay them out), so these are their times too. CPU
+    experts count the host's milliseconds (engine metrics), not device time. Second: per stage ('other' outside every stage) the kernels and
     copies that take the most, milliseconds per iteration by name (`TOP_KERNELS` of each)."""
     from oled.model.graphs import EagerForward
 
-    graphed = rt.forward  # eager, with the graphed forward's layout of a batch's rows
-    rt.forward = EagerForward(rt.model, exact_batches=graphed.exact_batches)
+    runs = rt.forward  # profiled eagerly, a batch's rows laid out as `runs` lays them out
+    rt.forward = EagerForward(rt.model, exact_batches=runs.exact_batches)
     try:
         window, off = _profiled(
             rt,
@@ -90,7 +90,7 @@ def stage_breakdown(
             batch_trace=batch_trace,
         )
     finally:
-        rt.forward = graphed
+        rt.forward = runs
     totals, kernels = _stage_device_us(window.profiler.events())
     out = {name: us / 1000 / window.seen for name, us in totals.items()}
     figures = off["decode"] if off is not None else {}

@@ -136,8 +136,6 @@ class EagerForward:
     sees the graphs' kernels.
     """
 
-    graphed = False
-
     def __init__(self, model: LLaDA2Model, *, exact_batches: bool = True) -> None:
         self.model = model
         self.exact_batches = exact_batches
@@ -184,8 +182,6 @@ class GraphedForward(EagerForward):
     runs eagerly once and is captured again next time (a Triton kernel's first launch loads its code, which a capture
     forbids; the eager run loads it); after a second failure everything runs eagerly.
     """
-
-    graphed = True
 
     def __init__(
         self, model: LLaDA2Model, executor: ExpertExecutor, *, max_keys: int = 256
