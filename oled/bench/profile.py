@@ -128,7 +128,7 @@ def host_breakdown(
     latter minus "device busy", the device idle between kernels."""
     where: dict[str, Any] = {"replay": replay, "batch": batch, "batch_trace": batch_trace}
     graphed = rt.forward if isinstance(rt.forward, GraphedForward) else None
-    since = graphed.replay_counts() if graphed is not None else {}
+    since = graphed.replay_counts() if graphed is not None else []
     window, _ = _profiled(rt, prompt, decode, iterations, follow, device=False, **where)
     totals: dict[str, float] = {}
     for e in window.profiler.events():

@@ -313,17 +313,20 @@ class GraphedForward(EagerForward):
         self._replay(entry)
         return entry.logits
 
-    def back_to_back_ms(self, since: dict[int, int], replays: int = 20) -> float | None:
-        """Device milliseconds of the whole-forward graph replayed most since `since` (id of
-        an entry: its replays then; `replay_counts`), replayed `replays` times back to back:
+    def back_to_back_ms(
+        self, since: list[tuple[_Captured, int]], replays: int = 20
+    ) -> float | None:
+        """Device milliseconds of the whole-forward graph replayed most since `since` (each
+        entry with its replays then: `replay_counts`), replayed `replays` times back to back:
         the forward's device time with the gaps between its kernels but no host work between
         forwards, untraced. None without whole-forward graphs or a replay since. Replaying
         recomputes that forward into its own buffers (logits, the block's scratch keys and
         values), which its next use overwrites."""
-        entries = [e for e in self.captured.values() if e.replays > since.get(id(e), 0)]
+        before = {id(e): n for e, n in since}
+        entries = [e for e in self.captured.values() if e.replays > before.get(id(e), 0)]
         if not self.whole or not entries:
             return None
-        entry = max(entries, key=lambda e: e.replays - since.get(id(e), 0))
+        entry = max(entries, key=lambda e: e.replays - before.get(id(e), 0))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         entry.pieces[0].replay()  # warm
         start.record()
@@ -333,9 +336,10 @@ class GraphedForward(EagerForward):
         end.synchronize()
         return start.elapsed_time(end) / replays
 
-    def replay_counts(self) -> dict[int, int]:
-        """Each captured entry's replays so far, by id (`back_to_back_ms`'s `since`)."""
-        return {id(e): e.replays for e in self.captured.values()}
+    def replay_counts(self) -> list[tuple[_Captured, int]]:
+        """Each captured entry with its replays so far (`back_to_back_ms`'s `since`; holding
+        the entries keeps an id from passing to a new one)."""
+        return [(e, e.replays) for e in self.captured.values()]
 
     def _hooked(self) -> bool:
         return any(block.hooks for block in self.model.moe_blocks)
