@@ -18,7 +18,7 @@ from torch.autograd.profiler_util import FunctionEvent
 from oled.bench.runs import Job, batch_session, run_batch, run_once, run_replay
 from oled.decoding import DecodeConfig, DecodeObserver, IterationInfo, Trajectory
 from oled.decoding.observers import BatchIterationInfo
-from oled.model.graphs import GraphedForward
+from oled.model.graphs import EagerForward, GraphedForward
 from oled.model.stages import STAGES, annotate
 from oled.runtime import Runtime
 from oled.trace.replay import RoutingTrace
@@ -72,10 +72,9 @@ def stage_breakdown(
     iterations (after the prompt's) of one extra eager generation under the profiler: every
     kernel and copy counts for the innermost stage that launched it. The graphs replay the same
     kernels (a batch's rows laid out as they lay them out), so these are their times too. CPU
-    experts count the host's milliseconds (engine metrics), not device time. Second: per stage ('other' outside every stage) the kernels and
-    copies that take the most, milliseconds per iteration by name (`TOP_KERNELS` of each)."""
-    from oled.model.graphs import EagerForward
-
+    experts count the host's milliseconds (engine metrics), not device time. Second: per stage
+    ('other' outside every stage) the kernels and copies that take the most, milliseconds per
+    iteration by name (`TOP_KERNELS` of each)."""
     runs = rt.forward  # profiled eagerly, a batch's rows laid out as `runs` lays them out
     rt.forward = EagerForward(rt.model, exact_batches=runs.exact_batches)
     try:

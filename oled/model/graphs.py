@@ -322,9 +322,11 @@ class GraphedForward(EagerForward):
         forwards, untraced. None without whole-forward graphs or a replay since. Replaying
         recomputes that forward into its own buffers (logits, the block's scratch keys and
         values), which its next use overwrites."""
+        if not self.whole:
+            return None
         before = {id(e): n for e, n in since}
         entries = [e for e in self.captured.values() if e.replays > before.get(id(e), 0)]
-        if not self.whole or not entries:
+        if not entries:
             return None
         entry = max(entries, key=lambda e: e.replays - before.get(id(e), 0))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
