@@ -18,7 +18,7 @@ from torch.autograd.profiler_util import FunctionEvent
 from oled.bench.runs import Job, batch_session, run_batch, run_once, run_replay
 from oled.decoding import DecodeConfig, DecodeObserver, IterationInfo, Trajectory
 from oled.decoding.observers import BatchIterationInfo
-from oled.model.graphs import EagerForward, GraphedForward
+from oled.model.graphs import EagerForward
 from oled.model.stages import STAGES, annotate
 from oled.runtime import Runtime
 from oled.trace.replay import RoutingTrace
@@ -120,14 +120,10 @@ def host_breakdown(
     as the runtime runs it (graphs kept) under a CPU-only profiler: where the host path spends
     its time. On CUDA also the time the device is busy in an iteration ("device busy": the
     union of its kernels and copies, graphs' included), from one more such generation with the
-    device traced (which slows the host, so apart); where whole forwards are graphs, also the
-    forward the generation ran most replayed back to back ("forward back to back": the device's
-    time with the gaps between its kernels but no host work between forwards). Iteration minus
-    "forward back to back" is what the device waits for the host (decode step included); the
-    latter minus "device busy", the device idle between kernels."""
+    device traced (which slows the host, so apart): iteration minus it is the device idle,
+    almost all of it waiting for the host between forwards (inside a forward's CUDA graph the
+    kernels run back to back)."""
     where: dict[str, Any] = {"replay": replay, "batch": batch, "batch_trace": batch_trace}
-    graphed = rt.forward if isinstance(rt.forward, GraphedForward) else None
-    since = graphed.replay_counts() if graphed is not None else []
     window, _ = _profiled(rt, prompt, decode, iterations, follow, device=False, **where)
     totals: dict[str, float] = {}
     for e in window.profiler.events():
@@ -143,9 +139,6 @@ def host_breakdown(
             if e.device_type == torch.autograd.DeviceType.CUDA and _device_work(e)
         ]
         out["device busy"] = union_us(busy) / 1000 / max(1, traced.seen)
-    back = graphed.back_to_back_ms(since) if graphed is not None else None
-    if back is not None:
-        out["forward back to back"] = back
     return out
 
 

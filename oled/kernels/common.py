@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # dtype -> `round_to` mode
 
 
 @triton.jit
@@ -13,6 +16,18 @@ def round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to(x, ROUND: tl.constexpr):
+    """fp32 x rounded to the model dtype (ROUNDING: 0 fp32, 1 bf16, 2 fp16), kept in fp32."""
+    if ROUND == 1:
+        y = round_bf16(x)
+    elif ROUND == 2:
+        y = x.to(tl.float16).to(tl.float32)
+    else:
+        y = x
+    return y
 
 
 @triton.jit

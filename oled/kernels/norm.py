@@ -13,21 +13,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from oled.kernels.common import round_bf16
-
-_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # dtype -> rounding mode
-
-
-@triton.jit
-def _round(x, ROUND: tl.constexpr):
-    """fp32 x rounded to the model dtype (0: fp32, 1: bf16, 2: fp16), kept in fp32."""
-    if ROUND == 1:
-        y = round_bf16(x)
-    elif ROUND == 2:
-        y = x.to(tl.float16).to(tl.float32)
-    else:
-        y = x
-    return y
+from oled.kernels.common import ROUNDING as _ROUND
+from oled.kernels.common import round_to as _round
 
 
 @triton.jit
@@ -147,6 +134,8 @@ def _qk_norm_rotary_kernel(
     kw_ptr,
     cos_ptr,
     sin_ptr,
+    slot_ptr,
+    pos_ptr,
     T,
     s_qkv_b,
     s_qkv_t,
@@ -169,12 +158,19 @@ def _qk_norm_rotary_kernel(
     BLOCK_D: tl.constexpr,
     ROT: tl.constexpr,
     ROUND: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    """Grid (B*T, HEADS + 2*KV_HEADS): one program per token and head of the fused projection."""
+    """Grid (B*T, HEADS + 2*KV_HEADS): one program per token and head of the fused projection.
+    With ROWS, token t's key and value go to slot slot[t], position pos[t] of k/v (B = 1)."""
     bt = tl.program_id(0)
     hid = tl.program_id(1)
     b = (bt // T).to(tl.int64)
     t = (bt % T).to(tl.int64)
+    if ROWS:
+        kv_b = tl.load(slot_ptr + t).to(tl.int64)
+        kv_t = tl.load(pos_ptr + t).to(tl.int64)
+    else:
+        kv_b, kv_t = b, t
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     dm = d < D
     row_ptr = qkv_ptr + b * s_qkv_b + t * s_qkv_t + hid * D  # this head's D elements
@@ -189,11 +185,11 @@ def _qk_norm_rotary_kernel(
         y = _norm_rotary_head(
             row_ptr, kw_ptr, cos_row, sin_row, s_cs_d, eps, inv_d, D, BLOCK_D, ROT, ROUND
         )
-        out = k_ptr + b * s_k_b + (hid - HEADS) * s_k_h + t * s_k_t
+        out = k_ptr + kv_b * s_k_b + (hid - HEADS) * s_k_h + kv_t * s_k_t
         tl.store(out + d, y.to(k_ptr.dtype.element_ty), mask=dm)
     else:
         v = tl.load(row_ptr + d, mask=dm, other=0.0)
-        out = v_ptr + b * s_v_b + (hid - HEADS - KV_HEADS) * s_v_h + t * s_v_t
+        out = v_ptr + kv_b * s_v_b + (hid - HEADS - KV_HEADS) * s_v_h + kv_t * s_v_t
         tl.store(out + d, v.to(v_ptr.dtype.element_ty), mask=dm)
 
 
@@ -211,12 +207,17 @@ def qk_norm_rotary(
     rotary_dim: int,
     k_out: Tensor,
     v_out: Tensor,
+    rows: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """qkv [B, T, (heads + 2 kv_heads) * head_dim] (the fused projection output) -> q [B, heads,
     T, head_dim] normed and rotated; writes the normed, rotated keys into k_out [B, kv_heads, T,
     head_dim] and the values into v_out (same shape). k_out/v_out may be strided views into a
     larger KV cache buffer, e.g. kbuf[:, :, past:past+T] of a [B, kv, S_max, D] tensor, so use
     their strides. cos, sin: [T, rotary_dim] in x's dtype, as Rotary.cos_sin returns.
+
+    With `rows` (slots [T], positions [T] int64; B = 1: a batched forward's rows), k_out and
+    v_out are whole cache buffers [slots, kv_heads, S_max, head_dim] and token t's key and
+    value go to slot slots[t] at position positions[t] (no separate scatter).
 
     One launch for q, k and v. Computes as Attention.forward does with weights in qkv's dtype:
     after each head's mean of squares (summed in another order than torch's, so rare elements
@@ -229,8 +230,15 @@ def qk_norm_rotary(
     if rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_dim")
     for name, out in (("k_out", k_out), ("v_out", v_out)):
-        if tuple(out.shape) != (b, kv_heads, t, head_dim) or out.stride(-1) != 1:
-            raise ValueError(f"{name} must be [B, kv_heads, T, head_dim] with a unit last stride")
+        if rows is not None:
+            if b != 1 or out.dim() != 4 or tuple(out.shape[1::2]) != (kv_heads, head_dim):
+                raise ValueError(f"with rows, {name} must be [slots, kv_heads, S_max, head_dim]")
+        elif tuple(out.shape) != (b, kv_heads, t, head_dim):
+            raise ValueError(f"{name} must be [B, kv_heads, T, head_dim]")
+        if out.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit last stride")
+    if rows is not None and any(r.shape != (t,) for r in rows):
+        raise ValueError(f"rows must be two tensors [T] of T = {t} slots and positions")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     q = torch.empty(b, heads, t, head_dim, dtype=qkv.dtype, device=qkv.device)  # [B, h, T, D]
@@ -247,6 +255,7 @@ def qk_norm_rotary(
         k_weight,
         cos,
         sin,
+        *(rows if rows is not None else (q, q)),  # slots, positions (unread without rows)
         t,
         qkv.stride(0),
         qkv.stride(1),
@@ -269,6 +278,7 @@ def qk_norm_rotary(
         BLOCK_D=triton.next_power_of_2(head_dim),
         ROT=rotary_dim,
         ROUND=_ROUND[qkv.dtype],
+        ROWS=rows is not None,
         num_warps=_warps(triton.next_power_of_2(head_dim)),
         enable_fp_fusion=False,
     )

@@ -213,7 +213,13 @@ def _weighted_mlp(
 
 
 def combine(pairs: Tensor, dtype: torch.dtype) -> Tensor:
-    """Sum the weighted expert outputs over top-k in fp32, then cast: [T, K, H] -> [T, H]."""
+    """Sum the weighted expert outputs over top-k in fp32, then cast: [T, K, H] -> [T, H]
+    (one launch where the fused kernels run: oled.kernels.elementwise)."""
+    if kernels.fused(pairs):
+        from oled.kernels.elementwise import combine_pairs
+
+        with kernels.serial():
+            return combine_pairs(pairs, dtype)
     return pairs.sum(dim=1).to(dtype)
 
 

@@ -125,7 +125,6 @@ class _Captured:
     pieces: list[torch.cuda.CUDAGraph]  # one graph (whole) or one per stretch (pieces)
     layers: list[int]  # MoE layer answered after pieces[i] (pieces mode)
     source: BatchRows | None = None  # the rows that `rows` holds a copy of
-    replays: int = 0  # times replayed
 
 
 class EagerForward:
@@ -313,42 +312,11 @@ class GraphedForward(EagerForward):
         self._replay(entry)
         return entry.logits
 
-    def back_to_back_ms(
-        self, since: list[tuple[_Captured, int]], replays: int = 20
-    ) -> float | None:
-        """Device milliseconds of the whole-forward graph replayed most since `since` (each
-        entry with its replays then: `replay_counts`), replayed `replays` times back to back:
-        the forward's device time with the gaps between its kernels but no host work between
-        forwards, untraced. None without whole-forward graphs or a replay since. Replaying
-        recomputes that forward into its own buffers (logits, the block's scratch keys and
-        values), which its next use overwrites."""
-        if not self.whole:
-            return None
-        before = {id(e): n for e, n in since}
-        entries = [e for e in self.captured.values() if e.replays > before.get(id(e), 0)]
-        if not entries:
-            return None
-        entry = max(entries, key=lambda e: e.replays - before.get(id(e), 0))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        entry.pieces[0].replay()  # warm
-        start.record()
-        for _ in range(replays):
-            entry.pieces[0].replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / replays
-
-    def replay_counts(self) -> list[tuple[_Captured, int]]:
-        """Each captured entry with its replays so far (`back_to_back_ms`'s `since`; holding
-        the entries keeps an id from passing to a new one)."""
-        return [(e, e.replays) for e in self.captured.values()]
-
     def _hooked(self) -> bool:
         return any(block.hooks for block in self.model.moe_blocks)
 
     def _replay(self, entry: _Captured) -> None:
         self.replays += 1
-        entry.replays += 1
         entry.pieces[0].replay()
         for graph, layer in zip(entry.pieces[1:], entry.layers, strict=True):
             self.executor.run_static(layer, entry.tokens.numel())

@@ -193,14 +193,18 @@ class Attention(nn.Module):
         t = qkv.shape[1]
         fused = kernels.fused(qkv)
         qkv_ = self._qkv_fused if fused else self._qkv
-        q, k, v = qkv_(qkv, rotary, cos, sin, None, 0)  # [1, h, T, D], [1, kv, T, D] x2
         assert kv is not None  # a batched forward writes into its slots
         kbuf, vbuf = kv  # [slots, kv, S_max, D]
         if rows.spans is not None:
             assert isinstance(mask, list)  # one mask per sequence
+            q, k, v = qkv_(qkv, rotary, cos, sin, None, 0)  # [1, h, T, D], [1, kv, T, D] x2
             return self.dense(self._per_sequence(q, k, v, kbuf, vbuf, rows.spans, mask))
-        kbuf[rows.row_slots, :, rows.positions] = k[0].transpose(0, 1)  # [T, kv, D]
-        vbuf[rows.row_slots, :, rows.positions] = v[0].transpose(0, 1)
+        if fused:  # the keys and values go straight into their slots
+            q, _, _ = self._qkv_fused(qkv, rotary, cos, sin, kv, 0, rows)
+        else:
+            q, k, v = self._qkv(qkv, rotary, cos, sin, None, 0)
+            kbuf[rows.row_slots, :, rows.positions] = k[0].transpose(0, 1)  # [T, kv, D]
+            vbuf[rows.row_slots, :, rows.positions] = v[0].transpose(0, 1)
         assert not isinstance(mask, (list, SequenceBlocks))  # one rule for the padded block
         nb, t_max = rows.queries.shape
         padded = q[0].transpose(0, 1).index_select(0, rows.queries.view(-1))  # [B*t_max, h, D]
@@ -291,15 +295,26 @@ class Attention(nn.Module):
         return q, kbuf[:, :, : past + t], vbuf[:, :, : past + t]
 
     def _qkv_fused(
-        self, qkv: Tensor, rotary: Rotary, cos: Tensor, sin: Tensor, kv: KV | None, past: int
+        self,
+        qkv: Tensor,
+        rotary: Rotary,
+        cos: Tensor,
+        sin: Tensor,
+        kv: KV | None,
+        past: int,
+        rows: BatchRows | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """As `_qkv`, in one kernel that also writes the new keys/values into the cache."""
+        """As `_qkv`, in one kernel that also writes the new keys/values into the cache: at
+        `past` on, or with `rows` (a batched forward's, qkv [1, T, ...]) each row's into its
+        slot at its position (the keys and values returned are then the whole buffers)."""
         from oled.kernels.norm import qk_norm_rotary
 
         b, t, _ = qkv.shape
         if kv is None:
             k_out = qkv.new_empty(b, self.kv_heads, t, self.head_dim)  # [B, kv, T, D]
             v_out = torch.empty_like(k_out)
+        elif rows is not None:
+            k_out, v_out = kv  # [slots, kv, S_max, D]
         else:
             k_out, v_out = kv[0][:, :, past : past + t], kv[1][:, :, past : past + t]
         q = qk_norm_rotary(
@@ -315,8 +330,9 @@ class Attention(nn.Module):
             rotary_dim=rotary.dim,
             k_out=k_out,
             v_out=v_out,
+            rows=None if rows is None else (rows.row_slots, rows.positions),
         )
-        if kv is None:
+        if kv is None or rows is not None:
             return q, k_out, v_out
         return q, kv[0][:, :, : past + t], kv[1][:, :, : past + t]
 
@@ -331,6 +347,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if kernels.fused(x):
+            from oled.kernels.elementwise import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 from torch import Tensor, nn
 
+from oled import kernels
 from oled.model.config import ModelConfig
 from oled.model.layers import (
     MLP,
@@ -275,6 +276,16 @@ class MoE(nn.Module):
             return routed.view(x.shape)
         return (routed + self.shared_experts(request.x)).view(x.shape)
 
+    def add_to(self, residual: Tensor, request: MoERequest, routed: Tensor) -> Tensor:
+        """residual [B, T, H] + `finish`: the two sums in one launch where the fused kernels
+        run (oled.kernels.elementwise, bit for bit as torch's)."""
+        if self.shared_experts is None or not kernels.fused(residual):
+            return residual + self.finish(residual, request, routed)
+        from oled.kernels.elementwise import residual_add
+
+        shared = self.shared_experts(request.x).view(residual.shape)
+        return residual_add(residual, routed.view(residual.shape), shared)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
@@ -449,7 +460,7 @@ class LLaDA2Model(nn.Module):
                     request = layer.mlp.route(h)
                 routed = yield request
                 with stage("shared expert"):
-                    x = x + layer.mlp.finish(h, request, routed)
+                    x = layer.mlp.add_to(x, request, routed)
             else:
                 with stage("dense MLP"):
                     x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -40,6 +40,9 @@ FUSED = [
     ("norm", "qk_norm_rotary"),
     ("route", "select_experts"),
     ("moe", "fused_expert_pairs"),
+    ("elementwise", "silu_mul"),
+    ("elementwise", "residual_add"),
+    ("elementwise", "combine_pairs"),
 ]
 
 
@@ -59,11 +62,16 @@ def test_fused_logits_match_the_torch_kernels(tiny_dir, fused_mode, monkeypatch)
     rt = load_runtime(str(tiny_dir), device=DEVICE, dtype="float32", kernels="triton")
     fused = logits(rt, "triton")
     layers, moe = rt.config.num_hidden_layers, rt.config.num_moe_layers
+    shared = moe if rt.config.shared_intermediate_size else 0
+    assert shared  # the tiny preset has shared experts
     assert calls == {
         "rms_norm": 2 * layers + 1,
         "qk_norm_rotary": layers,
         "select_experts": moe,
         "fused_expert_pairs": moe,
+        "silu_mul": layers - moe + shared,  # dense MLPs and shared experts
+        "residual_add": shared,
+        "combine_pairs": moe,
     }
     plain = logits(rt, "torch")
     assert calls["select_experts"] == moe  # the torch kernels call none of them

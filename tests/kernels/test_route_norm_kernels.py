@@ -280,6 +280,76 @@ def test_qk_norm_rotary_at_cache_start_and_single_token():
     )
 
 
+def check_qk_rows(cfg, *, dtype, device, rows_per_slot=(3, 1, 4), s_max=16, seed=0):
+    """With rows, each row's key and value land in its slot at its position, the same values as
+    the kernel writing them in order, and nothing else in the buffers changes."""
+    t = sum(rows_per_slot)
+    width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(1, t, width, generator=g).to(device, dtype)
+    slots = [s for s, n in zip((2, 0, 1), rows_per_slot, strict=True) for _ in range(n)]
+    positions = [
+        p
+        for n, start in zip(rows_per_slot, (5, 0, 9), strict=True)
+        for p in range(start, start + n)
+    ]
+    slot_t = torch.tensor(slots, device=device)  # [T]
+    pos_t = torch.tensor(positions, device=device)  # [T]
+    rotary = Rotary(dim=cfg.rotary_dim, theta=cfg.rope_theta)
+    cos, sin = rotary.cos_sin(pos_t, dtype)
+    weights = (torch.randn(cfg.head_dim, generator=g).to(device, dtype),) * 2
+    ref = tuple(
+        torch.empty(1, cfg.num_key_value_heads, t, cfg.head_dim, device=device, dtype=dtype)
+        for _ in range(2)
+    )
+    ref_q = kernel_qk(cfg, qkv, weights, cos, sin, ref, 0)
+    shape = (3, cfg.num_key_value_heads, s_max, cfg.head_dim)
+    kbuf, vbuf = torch.randn(shape).to(device, dtype), torch.randn(shape).to(device, dtype)
+    want_k, want_v = kbuf.clone(), vbuf.clone()
+    want_k[slot_t, :, pos_t] = ref[0][0].transpose(0, 1)
+    want_v[slot_t, :, pos_t] = ref[1][0].transpose(0, 1)
+    q = qk_norm_rotary(
+        qkv,
+        heads=cfg.num_attention_heads,
+        kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        q_weight=weights[0],
+        k_weight=weights[1],
+        eps=cfg.rms_norm_eps,
+        cos=cos,
+        sin=sin,
+        rotary_dim=cfg.rotary_dim,
+        k_out=kbuf,
+        v_out=vbuf,
+        rows=(slot_t, pos_t),
+    )
+    assert torch.equal(q, ref_q)
+    assert torch.equal(kbuf, want_k) and torch.equal(vbuf, want_v)
+
+
+def test_qk_norm_rotary_writes_batched_rows_into_their_slots():
+    check_qk_rows(tiny_config(), dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="rows must be"):
+        cfg = tiny_config()
+        width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        buf = torch.zeros(2, cfg.num_key_value_heads, 8, cfg.head_dim, device=DEVICE)
+        qk_norm_rotary(
+            torch.zeros(1, 3, width, device=DEVICE),
+            heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            q_weight=torch.ones(cfg.head_dim, device=DEVICE),
+            k_weight=torch.ones(cfg.head_dim, device=DEVICE),
+            eps=1e-6,
+            cos=torch.ones(3, cfg.rotary_dim, device=DEVICE),
+            sin=torch.zeros(3, cfg.rotary_dim, device=DEVICE),
+            rotary_dim=cfg.rotary_dim,
+            k_out=buf,
+            v_out=buf.clone(),
+            rows=(torch.zeros(2, dtype=torch.long, device=DEVICE),) * 2,
+        )
+
+
 # CUDA, real shapes --------------------------------------------------------------------------
 
 MINI = mini_config()
@@ -343,6 +413,11 @@ def test_gpu_qk_norm_rotary(t, exact):
     check_qk_norm_rotary(
         MINI, b=1, t=t, past=96, s_max=256, dtype=torch.bfloat16, device=CUDA, exact=exact
     )
+
+
+@pytest.mark.gpu
+def test_gpu_qk_norm_rotary_batched_rows():
+    check_qk_rows(MINI, dtype=torch.bfloat16, device=CUDA, rows_per_slot=(32, 32, 32), s_max=128)
 
 
 def graph_matches_eager(fn, make_inputs) -> None:

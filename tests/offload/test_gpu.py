@@ -37,19 +37,6 @@ def test_graphed_resident_is_bit_exact_and_replays(tiny_dir, reference):
     assert rt.forward.graphs.captures == captures, "the same prompts captured new graphs"
 
 
-def test_a_forward_replayed_back_to_back_leaves_the_answers(tiny_dir, reference):
-    """The forward a generation ran most, replayed back to back: a device time per forward,
-    and the next generations' tokens as before; nothing replayed since: None."""
-    rt = load_runtime(str(tiny_dir), device="cuda", dtype="bfloat16")
-    tokens(rt)
-    since = rt.forward.replay_counts()
-    rt.generate(PROMPTS[0], max_new_tokens=64, threshold=0.6)
-    ms = rt.forward.back_to_back_ms(since)
-    assert ms is not None and 0 < ms < 100
-    assert rt.forward.back_to_back_ms(rt.forward.replay_counts()) is None
-    assert tokens(rt) == reference
-
-
 def test_a_failed_capture_runs_eagerly_once_then_captures(tiny_dir, reference, monkeypatch):
     """A capture that fails (a Triton kernel's first launch does) costs one eager forward; the
     key is captured on its next use, and the tokens stay the eager ones."""
