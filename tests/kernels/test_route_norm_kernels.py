@@ -211,9 +211,11 @@ def torch_attention_inputs(attn, qkv, rotary, cos, sin, kv, past):
     return seen["q"]
 
 
-def kernel_qk(cfg, qkv, weights, cos, sin, cache, past):
-    """qk_norm_rotary on qkv [B, T, W], writing keys/values at `past` of cache (kbuf, vbuf)."""
+def kernel_qk(cfg, qkv, weights, cos, sin, cache, past, rows=None):
+    """qk_norm_rotary on qkv [B, T, W], writing keys/values at `past` of cache (kbuf, vbuf), or
+    with `rows` (slots [T], positions [T]) into the whole buffers at those slots and positions."""
     t = qkv.shape[1]
+    window = slice(None) if rows is not None else slice(past, past + t)
     return qk_norm_rotary(
         qkv,
         heads=cfg.num_attention_heads,
@@ -225,8 +227,9 @@ def kernel_qk(cfg, qkv, weights, cos, sin, cache, past):
         cos=cos,
         sin=sin,
         rotary_dim=cfg.rotary_dim,
-        k_out=cache[0][:, :, past : past + t],
-        v_out=cache[1][:, :, past : past + t],
+        k_out=cache[0][:, :, window],
+        v_out=cache[1][:, :, window],
+        rows=rows,
     )
 
 
@@ -308,46 +311,22 @@ def check_qk_rows(cfg, *, dtype, device, rows_per_slot=(3, 1, 4), s_max=16, seed
     want_k, want_v = kbuf.clone(), vbuf.clone()
     want_k[slot_t, :, pos_t] = ref[0][0].transpose(0, 1)
     want_v[slot_t, :, pos_t] = ref[1][0].transpose(0, 1)
-    q = qk_norm_rotary(
-        qkv,
-        heads=cfg.num_attention_heads,
-        kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        q_weight=weights[0],
-        k_weight=weights[1],
-        eps=cfg.rms_norm_eps,
-        cos=cos,
-        sin=sin,
-        rotary_dim=cfg.rotary_dim,
-        k_out=kbuf,
-        v_out=vbuf,
-        rows=(slot_t, pos_t),
-    )
+    q = kernel_qk(cfg, qkv, weights, cos, sin, (kbuf, vbuf), 0, rows=(slot_t, pos_t))
     assert torch.equal(q, ref_q)
     assert torch.equal(kbuf, want_k) and torch.equal(vbuf, want_v)
 
 
 def test_qk_norm_rotary_writes_batched_rows_into_their_slots():
-    check_qk_rows(tiny_config(), dtype=torch.bfloat16, device=DEVICE)
+    cfg = tiny_config()
+    check_qk_rows(cfg, dtype=torch.bfloat16, device=DEVICE)
+    width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    buf = torch.zeros(2, cfg.num_key_value_heads, 8, cfg.head_dim, device=DEVICE)
+    ones = torch.ones(cfg.head_dim, device=DEVICE)
+    cos = torch.ones(3, cfg.rotary_dim, device=DEVICE)
+    short = (torch.zeros(2, dtype=torch.long, device=DEVICE),) * 2  # rows of 2 tokens, not 3
     with pytest.raises(ValueError, match="rows must be"):
-        cfg = tiny_config()
-        width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-        buf = torch.zeros(2, cfg.num_key_value_heads, 8, cfg.head_dim, device=DEVICE)
-        qk_norm_rotary(
-            torch.zeros(1, 3, width, device=DEVICE),
-            heads=cfg.num_attention_heads,
-            kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            q_weight=torch.ones(cfg.head_dim, device=DEVICE),
-            k_weight=torch.ones(cfg.head_dim, device=DEVICE),
-            eps=1e-6,
-            cos=torch.ones(3, cfg.rotary_dim, device=DEVICE),
-            sin=torch.zeros(3, cfg.rotary_dim, device=DEVICE),
-            rotary_dim=cfg.rotary_dim,
-            k_out=buf,
-            v_out=buf.clone(),
-            rows=(torch.zeros(2, dtype=torch.long, device=DEVICE),) * 2,
-        )
+        qkv = torch.zeros(1, 3, width, device=DEVICE)
+        kernel_qk(cfg, qkv, (ones, ones), cos, cos * 0, (buf, buf.clone()), 0, rows=short)
 
 
 # CUDA, real shapes --------------------------------------------------------------------------
