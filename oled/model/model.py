@@ -281,9 +281,11 @@ class MoE(nn.Module):
         run (oled.kernels.elementwise, bit for bit as torch's)."""
         if self.shared_experts is None or not kernels.fused(residual):
             return residual + self.finish(residual, request, routed)
+        shared = self.shared_experts(request.x).view(residual.shape)
+        if not residual.dtype == routed.dtype == shared.dtype:  # torch's promotion decides
+            return residual + (routed.view(residual.shape) + shared)
         from oled.kernels.elementwise import residual_add
 
-        shared = self.shared_experts(request.x).view(residual.shape)
         return residual_add(residual, routed.view(residual.shape), shared)
 
 

@@ -104,3 +104,32 @@ def test_gpu_elementwise_equal_torch_bit_for_bit(t):
     assert torch.equal(
         combine_pairs(pairs[:8], torch.bfloat16), combine_pairs(pairs, torch.bfloat16)[:8]
     )
+
+
+def test_moe_residual_sum_is_one_kernel_or_torch_promotion():
+    """MoE.add_to: residual + (routed + shared) in one kernel when the three share a dtype
+    (bit for bit as torch's two adds), torch's promotion when they do not."""
+    from oled import kernels
+    from oled.model.model import MoE, MoERequest
+    from oled.model.presets import tiny_config
+
+    moe = MoE(tiny_config(), 0).to(DEVICE, torch.bfloat16)
+    h = tiny_config().hidden_size
+    x = randn(3, h, dtype=torch.bfloat16, seed=1)
+    residual, routed = (
+        randn(1, 3, h, dtype=torch.bfloat16, seed=2),
+        randn(3, h, dtype=torch.bfloat16, seed=3),
+    )
+    request = MoERequest(0, x, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
+    kernels.use("triton")
+    try:
+        with torch.inference_mode():
+            shared = moe.shared_experts(x).view(residual.shape)  # [1, 3, H]
+            fused = moe.add_to(residual, request, routed)
+            promoted = moe.add_to(residual, request, routed.float())
+    finally:
+        kernels.use("auto")
+    assert fused.dtype == torch.bfloat16
+    assert torch.equal(fused, residual + (routed.view(residual.shape) + shared))
+    assert promoted.dtype == torch.float32
+    assert torch.equal(promoted, residual + (routed.float().view(residual.shape) + shared))

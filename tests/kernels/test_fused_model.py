@@ -120,3 +120,36 @@ def test_triton_kernels_need_cuda_outside_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="unknown kernels"):
         kernels.use("fast")
     kernels.check("torch", torch.device("cpu"))
+
+
+def test_a_padded_batch_with_the_fused_kernels_matches_the_torch_kernels(tiny_dir, fused_mode):
+    """A batch laid out as the graphed forward lays it out (padded query blocks over each
+    slot's keys; the q/k kernel writing each row's key and value into its slot) keeps the keys
+    and values, and so the tokens, of the torch kernels' scatter."""
+    from oled.decoding import DecodeConfig
+    from oled.decoding.batch import BatchDecoder
+    from oled.model.graphs import EagerForward
+
+    rt = load_runtime(str(tiny_dir), device=DEVICE, dtype="float32", kernels="triton")
+    prompts = [rt.prompt_ids(PROMPT, chat=False), rt.prompt_ids("A cat sat", chat=False)]
+    caches, tokens = {}, {}
+    for mode in ("triton", "torch"):
+        kernels.use(mode)
+        dec = BatchDecoder(
+            rt.model,
+            mask_id=rt.tokenizer.mask_id,
+            forward=EagerForward(rt.model, exact_batches=False),
+            max_batch=2,
+            block_length=4,
+        )
+        streams = [dec.add(p, DecodeConfig(max_new_tokens=4, block_length=4)) for p in prompts]
+        with torch.inference_mode():
+            for _ in range(2):  # the prompts' forward, then a block's
+                dec.step()
+        assert dec.cache is not None and dec._layout is not None
+        assert dec._layout.rows.spans is None  # padded blocks: the graphed forward's rows
+        caches[mode] = [t.clone() for t in dec.cache.layer(0)]
+        tokens[mode] = [dec.seqs[s.slot].tolist() for s in streams]
+    for fused, plain in zip(caches["triton"], caches["torch"], strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    assert tokens["triton"] == tokens["torch"]
