@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # dtype -> `round_to` mode
 
@@ -16,6 +17,17 @@ def round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def expf(x, INTERPRET: tl.constexpr):
+    """e^x as CUDA's expf (torch's sigmoid and silu kernels call it); the interpreter has no
+    libdevice, so there tl.exp."""
+    if INTERPRET:
+        y = tl.exp(x)
+    else:
+        y = libdevice.exp(x)
+    return y
 
 
 @triton.jit

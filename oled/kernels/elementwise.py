@@ -15,10 +15,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra import libdevice
 
 from oled.kernels import interpreting
-from oled.kernels.common import ROUNDING, round_to
+from oled.kernels.common import ROUNDING, expf, round_to
 
 BLOCK = 1024  # elements per program of the elementwise kernels
 
@@ -32,11 +31,7 @@ def _silu_mul_kernel(
     m = i < N
     g = tl.load(gate_ptr + i, mask=m, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + i, mask=m, other=0.0).to(tl.float32)
-    if INTERPRET:
-        ex = tl.exp(-g)
-    else:
-        ex = libdevice.exp(-g)  # expf, as torch's silu kernel
-    silu = round_to(tl.math.div_rn(g, 1.0 + ex), ROUND)
+    silu = round_to(tl.math.div_rn(g, 1.0 + expf(-g, INTERPRET)), ROUND)  # as torch's silu
     tl.store(out_ptr + i, round_to(silu * u, ROUND).to(out_ptr.dtype.element_ty), mask=m)
 
 

@@ -13,8 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from oled.kernels.common import ROUNDING as _ROUND
-from oled.kernels.common import round_to as _round
+from oled.kernels.common import ROUNDING, round_to
 
 
 @triton.jit
@@ -38,7 +37,7 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * x_row_stride + d, mask=dm, other=0.0).to(tl.float32)
     r = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_d + eps)
     w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
-    y = _round(w * _round(x * r, X_ROUND), OUT_ROUND)
+    y = round_to(w * round_to(x * r, X_ROUND), OUT_ROUND)
     tl.store(out_ptr + row * out_row_stride + d, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
@@ -74,8 +73,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         1.0 / d,
         D=d,
         BLOCK_D=block,
-        X_ROUND=_ROUND[x.dtype],
-        OUT_ROUND=_ROUND[out_dtype],
+        X_ROUND=ROUNDING[x.dtype],
+        OUT_ROUND=ROUNDING[out_dtype],
         num_warps=_warps(block),
         enable_fp_fusion=False,
     )
@@ -87,7 +86,7 @@ def _normed(row_ptr, w_ptr, offs, mask, r, ROUND: tl.constexpr):
     """RMSNorm of a head's elements at offs, given its inverse rms r: round(w * round(x * r))."""
     x = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return _round(w * _round(x * r, ROUND), ROUND)
+    return round_to(w * round_to(x * r, ROUND), ROUND)
 
 
 @triton.jit
@@ -119,7 +118,7 @@ def _norm_rotary_head(
         rotated = tl.where(first, -p, p)
         c = tl.load(cos_ptr + d * cs_d_stride, mask=rm, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + d * cs_d_stride, mask=rm, other=0.0).to(tl.float32)
-        o = _round(_round(n * c, ROUND) + _round(rotated * s, ROUND), ROUND)
+        o = round_to(round_to(n * c, ROUND) + round_to(rotated * s, ROUND), ROUND)
         n = tl.where(rm, o, n)
     return n
 
@@ -277,7 +276,7 @@ def qk_norm_rotary(
         D=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         ROT=rotary_dim,
-        ROUND=_ROUND[qkv.dtype],
+        ROUND=ROUNDING[qkv.dtype],
         ROWS=rows is not None,
         num_warps=_warps(triton.next_power_of_2(head_dim)),
         enable_fp_fusion=False,

@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra import libdevice
 
 from oled.kernels import interpreting
+from oled.kernels.common import expf
 
 
 @triton.jit
@@ -44,10 +44,7 @@ def _route_kernel(
     e = g[:, None] * GROUP + j[None, :]  # [G, E/G] expert ids
     valid = (g[:, None] < N_GROUP) & (j[None, :] < GROUP)  # [G, E/G]
     logit = tl.load(logits_ptr + row * logits_row_stride + e, mask=valid, other=0.0)
-    if INTERPRET:
-        ex = tl.exp(-logit)
-    else:
-        ex = libdevice.exp(-logit)  # expf, as torch.sigmoid's kernel
+    ex = expf(-logit, INTERPRET)  # as torch.sigmoid's kernel
     one = tl.full([BLOCK_G, BLOCK_EG], 1.0, tl.float32)
     scores = tl.math.div_rn(one, 1.0 + ex)  # [G, E/G]: IEEE 1 / (1 + e^-x), as torch
     bias = tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)

@@ -192,11 +192,11 @@ class Attention(nn.Module):
         slots' keys gathered and padded to rows.keys, masked."""
         t = qkv.shape[1]
         fused = kernels.fused(qkv)
-        qkv_ = self._qkv_fused if fused else self._qkv
         assert kv is not None  # a batched forward writes into its slots
         kbuf, vbuf = kv  # [slots, kv, S_max, D]
         if rows.spans is not None:
             assert isinstance(mask, list)  # one mask per sequence
+            qkv_ = self._qkv_fused if fused else self._qkv
             q, k, v = qkv_(qkv, rotary, cos, sin, None, 0)  # [1, h, T, D], [1, kv, T, D] x2
             return self.dense(self._per_sequence(q, k, v, kbuf, vbuf, rows.spans, mask))
         if fused:  # the keys and values go straight into their slots

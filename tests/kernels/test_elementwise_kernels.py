@@ -19,6 +19,7 @@ from oled.kernels.elementwise import (  # noqa: E402
     silu_mul,
 )
 from oled.model.config import mini_config  # noqa: E402
+from tests.kernels.conftest import assert_within_one_ulp  # noqa: E402
 
 CUDA = torch.device("cuda")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -28,15 +29,6 @@ DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 def randn(*shape, dtype, device=DEVICE, seed=0, scale=3.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
-
-
-def assert_within_one_ulp(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """Same dtype and shape, elements at most one unit in the last place apart (the CPU's
-    vectorised exp is not expf)."""
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    ulp = torch.finfo(ref.dtype).eps * torch.maximum(out.float().abs(), ref.float().abs())
-    diff = (out.float() - ref.float()).abs()
-    assert bool((diff <= ulp.clamp_min(torch.finfo(ref.dtype).tiny) * 1.01).all()), diff.max()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -23,6 +23,7 @@ from oled.kernels.route import select_experts  # noqa: E402
 from oled.model.config import mini_config  # noqa: E402
 from oled.model.layers import Attention, RMSNorm, Rotary, route, router_logits  # noqa: E402
 from oled.model.presets import tiny_config  # noqa: E402
+from tests.kernels.conftest import assert_within_one_ulp  # noqa: E402
 
 CUDA = torch.device("cuda")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # small-shape tests
@@ -53,17 +54,6 @@ def exact_values(shape, dtype, device=DEVICE, seed=0) -> torch.Tensor:
     a norm's mean is the same however it is summed."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randint(-16, 17, shape, generator=g) / 8).to(device, dtype)
-
-
-def assert_within_one_ulp(out: torch.Tensor, ref: torch.Tensor, *, max_fraction: float) -> None:
-    """Equal dtype and shape; elements differ by at most one unit in the last place, and only a
-    max_fraction of them (the mean of squares is summed in another order than torch's)."""
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    larger = torch.maximum(out.float().abs(), ref.float().abs())  # one ulp across a binade
-    ulp = torch.finfo(ref.dtype).eps * larger.clamp_min(torch.finfo(ref.dtype).tiny)
-    diff = (out.float() - ref.float()).abs()
-    assert bool((diff <= ulp * 1.01).all()), f"max diff {diff.max().item()}"
-    assert (out != ref).float().mean().item() <= max_fraction
 
 
 # Routing ------------------------------------------------------------------------------------
